@@ -1,0 +1,16 @@
+"""The worker-side backend interface: what the forked worker runs, whichever library computes."""
+from abc import ABC, abstractmethod
+
+from ..messages import ModelInfo, NewRequest
+
+
+class Backend(ABC):
+    info: ModelInfo
+
+    @abstractmethod
+    def step(self, new_requests: tuple[NewRequest, ...],
+             finished_ids: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+        """Free `finished_ids`, add `new_requests`, and return the new token ids of every active request."""
+
+    def close(self) -> None:
+        """Release the model before the worker exits."""

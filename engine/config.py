@@ -1,0 +1,79 @@
+"""EngineConfig: every engine setting in one dataclass, checked on creation, readable from LOCKSTEP_* variables."""
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+BACKENDS = ("hf", "vllm", "auto")
+POLICIES = ("continuous", "static", "none")
+DTYPES = ("bfloat16", "float32", "float16", "auto")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def default_cache_dir() -> str:
+    return str(Path(__file__).resolve().parent.parent / ".cache")
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    backend: str = "hf"
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    max_batch_size: int = 8
+    max_queue: int = 64
+    policy: str = "continuous"
+    threads: int = 0  # torch threads in the worker; 0 = one per core
+    max_model_len: int = 0  # 0 = the model's own context length
+    default_max_tokens: int = 256
+    max_stop_strings: int = 8
+    load_timeout_s: float = 600.0
+    step_timeout_s: float = 120.0
+    cache_dir: str = ""
+    # vLLM only: passed through so one node can use several GPUs.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+
+    def __post_init__(self):
+        self.cache_dir = self.cache_dir or default_cache_dir()
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_stop_strings",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.threads < 0 or self.max_model_len < 0:
+            raise ValueError("threads and max_model_len must be >= 0")
+        if self.load_timeout_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @classmethod
+    def from_env(cls, environ=os.environ, **overrides) -> "EngineConfig":
+        """Read LOCKSTEP_<FIELD> (e.g. LOCKSTEP_MAX_BATCH_SIZE=16); explicit overrides win."""
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(f"LOCKSTEP_{f.name.upper()}")
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.type, raw, f.name)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(type_name, raw: str, name: str):
+    kind = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"LOCKSTEP_{name.upper()} must be a number, got {raw!r}") from None
+    return raw
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

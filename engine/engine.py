@@ -1,0 +1,224 @@
+"""LLMEngine: the thread-safe public API. Submit from any thread; one scheduler thread drives the worker.
+
+The step loop is three calls: schedule (admit and collect frees), run one round-trip on
+the executor, postprocess (detokenize, stream, finish). A failed round-trip fails the
+running requests with WorkerFailed and forks a fresh worker; waiting requests then run on it.
+"""
+import itertools
+import logging
+import queue
+import threading
+import uuid
+
+from .backends import choose_backend
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import EngineError, InvalidRequest, NotReady, PromptTooLong, WorkerFailed
+from .executor import ModelExecutor
+from .messages import ModelInfo
+from .model_store import resolve_model
+from .sampling import SamplingParams
+from .scheduler import RequestObserver, WorkloadManager
+from .sequence import DeltaEvent, RequestOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = 1.0
+
+
+class RequestHandle:
+    """What `submit` returns: iterate for text deltas, then `result()` for the RequestOutput."""
+
+    def __init__(self, engine: "LLMEngine", request_id: str, events: queue.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._events = events
+        self._output: RequestOutput | None = None
+
+    def __iter__(self):
+        while self._output is None:
+            event = self._events.get()
+            if isinstance(event, DeltaEvent):
+                yield event.text
+            else:
+                self._output = event
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the end of the request (deltas not yet read are skipped)."""
+        while self._output is None:
+            event = self._events.get(timeout=timeout)
+            if isinstance(event, RequestOutput):
+                self._output = event
+        return self._output
+
+    def cancel(self) -> bool:
+        return self.engine.cancel(self.request_id)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, observer: RequestObserver | None = None):
+        self.config = config or EngineConfig()
+        self.scheduler = WorkloadManager(self.config.max_batch_size, self.config.max_queue, self.config.policy,
+                                         observer)
+        self.tokenizer = None
+        self.executor: ModelExecutor | None = None
+        self.info: ModelInfo | None = None
+        self.backend_choice: tuple[str, str] | None = None
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._accepting = True
+        self._loop_thread: threading.Thread | None = None
+        self._request_counter = itertools.count()
+        self.load_error: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self, wait: bool = True) -> "LLMEngine":
+        """Load the tokenizer, fork the worker and start the scheduler thread (model load waits if `wait`)."""
+        from transformers import AutoTokenizer
+
+        self.backend_choice = choose_backend(self.config)
+        logger.info("backend %s (%s)", *self.backend_choice)
+        model_path = resolve_model(self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.executor = ModelExecutor(self.config, model_path, self.backend_choice)
+        self._loop_thread = threading.Thread(target=self._run_loop, name="lockstep-scheduler", daemon=True)
+        self._loop_thread.start()
+        if wait and not self._ready.wait(self.config.load_timeout_s):
+            raise NotReady("the model worker did not become ready in time")
+        if wait and self.load_error:
+            raise WorkerFailed(self.load_error)
+        return self
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting, let running requests finish for up to `drain_timeout`, abort the rest, stop all."""
+        self._accepting = False
+        if drain_timeout > 0 and not self.scheduler.wait_idle(drain_timeout):
+            logger.warning("shutdown: requests still running after %.0f s; aborting them", drain_timeout)
+        self._stopping.set()
+        self.scheduler.fail_all(NotReady("the server is shutting down"))
+        self.scheduler.close()
+        if self._loop_thread:
+            self._loop_thread.join(self.config.step_timeout_s)
+        if self.executor:
+            self.executor.shutdown()
+        self._ready.clear()
+        logger.info("engine stopped")
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.executor is not None and self.executor.is_alive()
+
+    def check_worker(self, timeout: float = 5.0) -> bool:
+        """A real round-trip through the mutex: True only if the worker answers."""
+        if not self.is_ready:
+            return False
+        try:
+            return self.executor.echo("ready?", timeout) == "ready?"
+        except EngineError:
+            return False
+
+    # -- requests ----------------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
+               messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
+               request_id: str | None = None, sink: queue.Queue | None = None) -> RequestHandle:
+        """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks."""
+        if not self._accepting or self._stopping.is_set() or self.tokenizer is None:
+            raise NotReady("the engine is not accepting requests")
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.config.max_stop_strings)
+        token_ids = prompt_token_ids or self.encode(prompt=prompt, messages=messages)
+        request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
+        sink = sink if sink is not None else queue.Queue()
+        seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
+                       IncrementalDetokenizer(self.tokenizer, sampling.stop), sink, self._eos_token_ids())
+        self.scheduler.add(seq)
+        return RequestHandle(self, request_id, sink)
+
+    def generate(self, prompts: list[str], sampling: SamplingParams | None = None,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        """Blocking helper: submit every prompt (batched by the scheduler), return outputs in order."""
+        handles = []
+        try:
+            for prompt in prompts:
+                handles.append(self.submit(prompt, sampling))
+        except EngineError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return [handle.result(timeout) for handle in handles]
+
+    def cancel(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if messages is not None:
+            return self.apply_chat_template(messages)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("prompt must be a non-empty string", "prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template; send a prompt instead", "messages")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)
+        return list(encoded["input_ids"])
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len if self.info else 0
+
+    def _max_tokens(self, sampling: SamplingParams, num_prompt_tokens: int) -> int:
+        limit = self.max_model_len
+        if sampling.max_tokens is not None and sampling.max_tokens > limit:
+            raise InvalidRequest(f"max_tokens must be at most {limit} (the model's context length)", "max_tokens")
+        room = limit - num_prompt_tokens
+        if room < 1:
+            raise PromptTooLong(f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} "
+                                "tokens and at least one must be left to generate", "prompt")
+        return min(sampling.max_tokens or self.config.default_max_tokens, room)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.info.eos_token_ids if self.info else ())
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- the scheduler thread ------------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self._ready.is_set() and not self._start_worker():
+                self._stopping.wait(RESTART_BACKOFF_S)
+                continue
+            plan = self.scheduler.schedule(timeout=1.0)
+            if plan is None:
+                continue
+            try:
+                result = self.executor.step(plan.new_requests, plan.finished_ids)
+            except EngineError as exc:
+                self._on_worker_failure(exc)
+                continue
+            self.scheduler.postprocess(result.new_token_ids)
+
+    def _start_worker(self) -> bool:
+        try:
+            self.info = self.executor.start()
+        except EngineError as exc:
+            self.load_error = str(exc)
+            logger.error("model worker failed to start: %s", exc)
+            if self.executor.info is None:  # never loaded once: no point retrying a broken model
+                self._ready.set()
+                self._stopping.set()
+                self.scheduler.fail_all(exc)
+            return False
+        self.load_error = None
+        self._ready.set()
+        return True
+
+    def _on_worker_failure(self, exc: EngineError) -> None:
+        logger.error("model worker failed: %s; failing running requests and restarting it", exc)
+        self._ready.clear()
+        self.scheduler.fail_running(exc if isinstance(exc, WorkerFailed) else WorkerFailed(str(exc)))

@@ -1,0 +1,51 @@
+"""The engine's error hierarchy; the server maps each class to a status and a WebSocket code."""
+
+
+class EngineError(Exception):
+    """Base class for every error the engine raises on purpose."""
+
+    code = "internal_error"
+
+
+class InvalidRequest(EngineError):
+    """The request itself is wrong (bad field, prompt too long, ...)."""
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLong(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Overloaded(EngineError):
+    """The waiting queue is full; the caller should retry later."""
+
+    code = "overloaded"
+
+
+class NotReady(EngineError):
+    """The model worker is loading or restarting."""
+
+    code = "not_ready"
+
+
+class WorkerFailed(EngineError):
+    """The model worker died, hung or reported an error; in-flight requests fail with this."""
+
+    code = "worker_failed"
+
+
+class CorrelationMismatch(EngineError):
+    """A worker result answered another call: a broken round-trip invariant, never a silent swap."""
+
+    code = "internal_error"
+
+
+class BackendUnavailable(EngineError):
+    """The requested backend cannot run here (e.g. vLLM is not installed)."""
+
+    code = "backend_unavailable"

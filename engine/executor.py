@@ -1,0 +1,136 @@
+"""ModelExecutor: owns the forked model worker and the one mutex-guarded round-trip to it.
+
+Whoever calls (the scheduler thread, a readiness probe, a test), a task is put and its
+result taken inside `call`, under one lock: exactly one round-trip is in flight. The
+worker echoes the task's `call_id`; a result for any other call raises
+CorrelationMismatch instead of being handed to the wrong caller. A worker that dies or
+exceeds the timeout is killed and reported as WorkerFailed; `start` forks a new one.
+"""
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+
+from .config import EngineConfig
+from .errors import CorrelationMismatch, WorkerFailed
+from .messages import (EchoResult, EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
+                       StepTask, Task, WorkerFailure, WorkerReady)
+from . import worker
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_CHECK_S = 0.2  # how often a blocked `get` looks at whether the worker still lives
+
+
+class ModelExecutor:
+    def __init__(self, config: EngineConfig, model_path: str, backend_choice: tuple[str, str] = ("hf", "")):
+        self.config = config
+        self.model_path = model_path
+        self.backend_choice = backend_choice
+        self.info: ModelInfo | None = None
+        self._context = multiprocessing.get_context("fork")
+        self._round_trip_lock = threading.Lock()
+        self._call_ids = itertools.count(1)
+        self._process = None
+        self._task_queue = None
+        self._result_queue = None
+        self.after_put_hook = None  # tests: widen the put→get window, as in the original race demo
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def start(self) -> ModelInfo:
+        """Fork the worker and wait until it has loaded the model."""
+        with self._round_trip_lock:
+            self._kill()
+            self._task_queue = self._context.Queue(maxsize=4)
+            self._result_queue = self._context.Queue(maxsize=4)
+            self._process = self._fork_worker()
+            ready = self._get_result(self.config.load_timeout_s, "loading the model")
+            if isinstance(ready, WorkerFailure):
+                self._kill()
+                raise WorkerFailed(f"the model worker could not load {self.model_path}: {ready.message}")
+            self.info = ready.info
+            logger.info("model worker %d ready: %s", self._process.pid, ready.info)
+            return ready.info
+
+    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepResult:
+        return self.call(StepTask(0, new_requests, finished_ids))
+
+    def echo(self, payload: str, timeout: float | None = None) -> str:
+        return self.call(EchoTask(0, payload), timeout).payload
+
+    def call(self, task: Task, timeout: float | None = None) -> Result:
+        """The only round-trip to the worker: put a task, take its result, check the correlation id."""
+        with self._round_trip_lock:
+            if not self.is_alive():
+                raise WorkerFailed("the model worker is not running")
+            call_id = next(self._call_ids)
+            task = dataclasses.replace(task, call_id=call_id)
+            self._task_queue.put(task, timeout=self.config.step_timeout_s)
+            if self.after_put_hook:
+                self.after_put_hook()
+            result = self._get_result(timeout or self.config.step_timeout_s, type(task).__name__)
+            if result.call_id != call_id:
+                self._kill()
+                raise CorrelationMismatch(
+                    f"call {call_id} ({type(task).__name__}) received the result of call {result.call_id}")
+            if isinstance(result, WorkerFailure):
+                self._kill()
+                raise WorkerFailed(f"the model worker failed: {result.message}")
+            return result
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._round_trip_lock:
+            if self.is_alive():
+                try:
+                    self._task_queue.put(ShutdownTask(), timeout=1.0)
+                    self._process.join(timeout)
+                except queue.Full:
+                    logger.warning("model worker did not take the shutdown task")
+            self._kill()
+
+    def _fork_worker(self):
+        # A fork must not copy tokenizers' thread pool: its locks would be held forever in the child.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        process = self._context.Process(
+            target=worker.run_worker, name="lockstep-model-worker", daemon=True,
+            args=(self.config, self.model_path, self.backend_choice, self._task_queue, self._result_queue))
+        process.start()
+        logger.info("forked model worker %d for %s", process.pid, self.model_path)
+        return process
+
+    def _get_result(self, timeout: float, what: str) -> Result:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._result_queue.get(timeout=LIVENESS_CHECK_S)
+            except queue.Empty:
+                pass
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                self._kill()
+                raise WorkerFailed(f"the model worker died (exit code {code}) while {what}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise WorkerFailed(f"the model worker did not answer within {timeout:.0f} s while {what}")
+
+    def _kill(self) -> None:
+        """Stop the worker for good and drop its queues (a restart gets fresh ones)."""
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(5.0)
+        for q in (self._task_queue, self._result_queue):
+            q.close()
+            q.cancel_join_thread()
+        self._process = None

@@ -1,0 +1,96 @@
+"""Every message that crosses the process boundary: frozen dataclasses of plain values.
+
+The parent sends a request's prompt once (`NewRequest`); later steps send only which
+requests finished so the worker frees their KV cache. The worker echoes each task's
+`call_id` so the parent can prove that a result answers its own call.
+"""
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class WorkerSampling:
+    """What the worker needs to pick a token; text-level settings (stop strings) stay in the parent."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: WorkerSampling
+
+
+@dataclass(frozen=True)
+class StepTask:
+    """One scheduler step: free `finished_ids`, prefill `new_requests`, decode one token for the rest."""
+
+    call_id: int
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EchoTask:
+    """A no-op round-trip: readiness checks and the race tests use it."""
+
+    call_id: int
+    payload: str = ""
+
+
+@dataclass(frozen=True)
+class ShutdownTask:
+    call_id: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    backend: str
+    dtype: str
+    device: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    backend_reason: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    info: ModelInfo
+    call_id: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """New token ids per request (a backend may give none for a request during chunked prefill)."""
+
+    call_id: int
+    new_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EchoResult:
+    call_id: int
+    payload: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    call_id: int
+    message: str
+
+
+Task = StepTask | EchoTask | ShutdownTask
+Result = WorkerReady | StepResult | EchoResult | WorkerFailure

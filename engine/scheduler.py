@@ -1,0 +1,155 @@
+"""WorkloadManager: the waiting queue, the running batch and the batching policy.
+
+Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks
+while there is nothing to do) and `postprocess`. One lock guards all of it.
+"""
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import EngineError, Overloaded
+from .messages import FinishReason, NewRequest
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    new_requests: tuple[NewRequest, ...]
+    finished_ids: tuple[str, ...]
+
+
+class RequestObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def on_token(self, seq: Sequence, now: float, previous: float | None) -> None:
+        pass
+
+    def on_finish(self, seq: Sequence, output) -> None:
+        pass
+
+
+class WorkloadManager:
+    def __init__(self, max_batch_size: int = 8, max_queue: int = 64, policy: str = "continuous",
+                 observer: RequestObserver | None = None):
+        self.observer = observer or RequestObserver()
+        self.max_batch_size = 1 if policy == "none" else max_batch_size
+        self.max_queue = max_queue
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
+        self.finished_ids: list[str] = []  # the worker still holds their KV cache
+        self._lock = threading.Lock()
+        self._has_work = threading.Condition(self._lock)
+        self._is_idle = threading.Condition(self._lock)
+        self._is_closed = False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
+            if seq.request_id in self.sequences:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self.waiting.append(seq)
+            self.sequences[seq.request_id] = seq
+            self._has_work.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; a running one stops and frees its slot at the next step."""
+        with self._lock:
+            seq = self.sequences.get(request_id)
+            if seq is None:
+                return False
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                self._finish(seq, FinishReason.ABORT)
+            else:
+                seq.is_abort_requested = True
+                self._has_work.notify()
+            return True
+
+    def schedule(self, timeout: float | None = None) -> StepPlan | None:
+        """Block until there is a step to run (or `timeout`/close); admit new requests by policy."""
+        with self._lock:
+            if not self._has_work.wait_for(lambda: self._is_closed or self._needs_step(), timeout):
+                return None
+            if self._is_closed:
+                return None
+            for seq in [s for s in self.running if s.is_abort_requested]:
+                self._finish(seq, FinishReason.ABORT)
+            admitted = self._admit()
+            plan = StepPlan(tuple(s.to_new_request() for s in admitted), tuple(self.finished_ids))
+            self.finished_ids.clear()
+            return plan
+
+    def postprocess(self, new_token_ids: dict[str, tuple[int, ...]]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for seq in list(self.running):
+                for token_id in new_token_ids.get(seq.request_id, ()):
+                    self.observer.on_token(seq, now, seq.last_token_time)
+                    reason = seq.append_token(token_id, now)
+                    if reason is not None:
+                        self._finish(seq, reason)
+                        break
+
+    def fail_running(self, error: EngineError) -> None:
+        """The worker is gone: fail what it was computing; waiting requests wait for the next worker."""
+        with self._lock:
+            for seq in list(self.running):
+                self._finish(seq, FinishReason.ERROR, error)
+            self.finished_ids.clear()
+
+    def fail_all(self, error: EngineError) -> None:
+        with self._lock:
+            for seq in list(self.running) + list(self.waiting):
+                self._finish(seq, FinishReason.ERROR, error)
+            self.finished_ids.clear()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._lock:
+            return self._is_idle.wait_for(lambda: not self.sequences, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self._is_closed = True
+            self._has_work.notify_all()
+
+    def _needs_step(self) -> bool:
+        return bool(self.running or self.finished_ids or (self.waiting and self._can_admit()))
+
+    def _can_admit(self) -> bool:
+        if self.policy == "continuous":
+            return len(self.running) < self.max_batch_size
+        return not self.running  # static and none: the batch runs to completion first
+
+    def _admit(self) -> list[Sequence]:
+        if not self._can_admit():
+            return []
+        admitted = []
+        now = time.monotonic()
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            seq.status, seq.scheduled_time = SequenceStatus.RUNNING, now
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            if reason is not FinishReason.ERROR:
+                self.finished_ids.append(seq.request_id)
+        del self.sequences[seq.request_id]
+        self.observer.on_finish(seq, seq.finish(reason, error))
+        if not self.sequences:
+            self._is_idle.notify_all()
