@@ -90,6 +90,9 @@ class LLMEngine:
             raise WorkerFailed(self.load_error)
         return self
 
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop accepting, let running requests finish for up to `drain_timeout`, abort the rest, stop all."""
         self._accepting = False
@@ -125,14 +128,15 @@ class LLMEngine:
                request_id: str | None = None, sink: queue.Queue | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks."""
         if not self._accepting or self._stopping.is_set() or self.tokenizer is None:
-            raise NotReady("the engine is not accepting requests")
+            raise NotReady("the server is not accepting requests (starting or shutting down)")
         sampling = sampling or SamplingParams()
         sampling.validate(self.config.max_stop_strings)
         token_ids = prompt_token_ids or self.encode(prompt=prompt, messages=messages)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         sink = sink if sink is not None else queue.Queue()
         seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
-                       IncrementalDetokenizer(self.tokenizer, sampling.stop), sink, self._eos_token_ids())
+                       IncrementalDetokenizer(self.tokenizer, sampling.stop), sink,
+                       frozenset() if sampling.ignore_eos else self._eos_token_ids())
         self.scheduler.add(seq)
         return RequestHandle(self, request_id, sink)
 

@@ -24,6 +24,7 @@ class WorkerSampling:
     top_k: int = 0
     seed: int | None = None
     max_tokens: int = 16
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,6 +35,7 @@ class SamplingParams:
             top_k=_optional_int(body, "top_k") or 0,
             stop=_stop_strings(body.get("stop")),
             seed=_optional_int(body, "seed"),
+            ignore_eos=_flag(body, "ignore_eos"),
         )
         params.validate(max_stop_strings)
         return params
@@ -55,7 +57,7 @@ class SamplingParams:
             raise InvalidRequest("seed must be between 0 and 2**63-1", "seed")
 
     def for_worker(self, max_tokens: int) -> WorkerSampling:
-        return WorkerSampling(self.temperature, self.top_p, self.top_k, self.seed, max_tokens)
+        return WorkerSampling(self.temperature, self.top_p, self.top_k, self.seed, max_tokens, self.ignore_eos)
 
 
 def _optional_int(body: dict, name: str) -> int | None:
@@ -64,6 +66,13 @@ def _optional_int(body: dict, name: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{name} must be an integer", name)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false", name)
     return value
 
 

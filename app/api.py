@@ -1,0 +1,113 @@
+"""REST: the original design's endpoints and an OpenAI-compatible, non-streaming subset."""
+import time
+import uuid
+
+from flask import Blueprint, g, jsonify
+
+from engine import FinishReason, RequestOutput
+
+from .errors import ApiError
+from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
+from .state import lockstep
+
+bp = Blueprint("api", __name__)
+
+OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint uses when max_tokens is absent
+STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
+
+
+@bp.post("/basic_generate")
+def basic_generate():
+    body = read_json_body()
+    output = _run_one(prompt=prompt_field(body), body=body)
+    return jsonify(generated_text=output.text, finish_reason=output.finish_reason.value,
+                   usage=output.usage.as_dict(), timing=output.timings.as_dict())
+
+
+@bp.post("/generate")
+def generate():
+    body = read_json_body()
+    prompts = prompts_field(body, lockstep().max_prompts)
+    outputs = _run_many(prompts, body)
+    return jsonify(generated_texts=[o.text for o in outputs],
+                   finish_reasons=[o.finish_reason.value for o in outputs],
+                   usage=_total_usage(outputs))
+
+
+@bp.post("/v1/completions")
+def completions():
+    body = read_json_body()
+    _refuse_openai_extras(body)
+    prompt = body.get("prompt")
+    prompts = prompts_field(body, lockstep().max_prompts, "prompt") if isinstance(prompt, list) \
+        else [prompt_field(body)]
+    outputs = _run_many(prompts, body, OPENAI_DEFAULT_MAX_TOKENS)
+    choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason.value}
+               for i, o in enumerate(outputs)]
+    return jsonify(_openai_envelope("cmpl", "text_completion", choices, outputs))
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    body = read_json_body()
+    _refuse_openai_extras(body)
+    output = _run_one(messages=messages_field(body), body=body)
+    choices = [{"index": 0, "message": {"role": "assistant", "content": output.text},
+                "logprobs": None, "finish_reason": output.finish_reason.value}]
+    return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
+
+
+@bp.get("/v1/models")
+def models():
+    state = lockstep()
+    return jsonify(object="list", data=[state.model_card()])
+
+
+@bp.post("/tokenize")
+def tokenize():
+    body = read_json_body()
+    engine = lockstep().engine
+    if "messages" in body:
+        token_ids = engine.encode(messages=messages_field(body))
+    else:
+        token_ids = engine.encode(prompt=prompt_field(body))
+    return jsonify(tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len)
+
+
+def _run_one(body: dict, prompt: str | None = None, messages: list | None = None) -> RequestOutput:
+    engine = lockstep().engine
+    handle = engine.submit(prompt, sampling_fields(body, engine), messages=messages)
+    return _checked([handle.result()])[0]
+
+
+def _run_many(prompts: list[str], body: dict, default_max_tokens: int | None = None) -> list[RequestOutput]:
+    engine = lockstep().engine
+    return _checked(engine.generate(prompts, sampling_fields(body, engine, default_max_tokens)))
+
+
+def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    g.completion_tokens = sum(o.usage.completion_tokens for o in outputs)
+    for output in outputs:
+        if output.finish_reason is FinishReason.ERROR:
+            raise ApiError(503, output.error or "generation failed", output.error_code or "worker_failed",
+                           type_="server_error")
+    return outputs
+
+
+def _refuse_openai_extras(body: dict) -> None:
+    if body.get("stream"):
+        raise ApiError(400, STREAM_HINT, "stream_not_supported", "stream")
+    if body.get("n", 1) != 1:
+        raise ApiError(422, "only n=1 is supported", "invalid_value", "n")
+
+
+def _total_usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(o.usage.prompt_tokens for o in outputs)
+    completion = sum(o.usage.completion_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _openai_envelope(prefix: str, obj: str, choices: list, outputs: list[RequestOutput]) -> dict:
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+            "model": lockstep().model_name, "choices": choices, "usage": _total_usage(outputs)}
+

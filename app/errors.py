@@ -1,0 +1,71 @@
+"""One error shape for REST and WebSocket, and the one place engine errors become statuses and codes."""
+import logging
+
+from flask import jsonify
+from werkzeug.exceptions import HTTPException
+
+from engine.errors import (BackendUnavailable, EngineError, InvalidRequest, NotReady, Overloaded, PromptTooLong,
+                           WorkerFailed)
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+# status, OpenAI error type
+_STATUS = [
+    (PromptTooLong, 422, "invalid_request_error"),
+    (InvalidRequest, 422, "invalid_request_error"),
+    (Overloaded, 429, "rate_limit_error"),
+    (NotReady, 503, "server_error"),
+    (WorkerFailed, 503, "server_error"),
+    (BackendUnavailable, 503, "server_error"),
+    (EngineError, 500, "server_error"),
+]
+
+
+class ApiError(Exception):
+    """A REST/WS error raised by the app itself (malformed body, auth, unknown message type...)."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+
+
+def from_engine_error(exc: EngineError) -> ApiError:
+    for cls, status, type_ in _STATUS:
+        if isinstance(exc, cls):
+            return ApiError(status, str(exc), exc.code, getattr(exc, "param", None), type_)
+    raise TypeError(exc)
+
+
+def error_response(error: ApiError):
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    response = jsonify(body)
+    response.status_code = error.status
+    if error.status in (429, 503):
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def ws_error(client_id, error: ApiError) -> dict:
+    return {"type": "error", "id": client_id, "code": error.code, "message": error.message}
+
+
+def register_error_handlers(app) -> None:
+    app.register_error_handler(ApiError, error_response)
+    app.register_error_handler(EngineError, lambda exc: error_response(from_engine_error(exc)))
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(500, _internal_error)
+
+
+def _http_error(exc: HTTPException):
+    code = (exc.name or "error").lower().replace(" ", "_")
+    type_ = "server_error" if (exc.code or 500) >= 500 else "invalid_request_error"
+    return error_response(ApiError(exc.code or 500, exc.description or exc.name, code, type_=type_))
+
+
+def _internal_error(exc):
+    original = getattr(exc, "original_exception", exc)
+    logger.error("unhandled error: %r", original, exc_info=original)
+    return error_response(ApiError(500, "internal server error", "internal_error", type_="server_error"))

@@ -1,0 +1,121 @@
+"""vLLM backend: one in-process vLLM engine, driven one scheduler step per `step()` call.
+
+vLLM owns batching, the paged KV cache and sampling; this class only translates our messages.
+Each request is added with `RequestOutputKind.DELTA`, so every engine step reports just the
+token ids it produced. The parent detects EOS and stop strings itself, so no stop strings are
+passed; vLLM still stops on EOS by itself, and the EOS id is included in that last delta.
+"""
+import logging
+import os
+from pathlib import Path
+
+from ..config import EngineConfig
+from ..messages import ModelInfo, NewRequest, WorkerSampling
+from .base import Backend
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMBackend(Backend):
+    def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
+        device = _resolve_device(config.device)
+        _set_environment(config.cache_dir, device)
+        # vLLM reads its environment variables when imported, so it is imported only now.
+        from vllm import LLM
+
+        self.llm = LLM(**_engine_args(config, model_path, device))
+        self.engine = self.llm.llm_engine
+        self.running: set[str] = set()  # ids vLLM has not finished; others need no abort
+        model_config = self.engine.model_config
+        self.info = ModelInfo(
+            model=model_path, backend="vllm", dtype=str(model_config.dtype).removeprefix("torch."),
+            device=device, max_model_len=model_config.max_model_len,
+            eos_token_ids=_eos_token_ids(self.llm), backend_reason=backend_reason)
+        logger.info("vLLM backend: %s on %s, max_model_len %d", self.info.dtype, device,
+                    self.info.max_model_len)
+
+    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> dict:
+        self._abort(finished_ids)
+        for request in new_requests:
+            self._add(request)
+        if not self.engine.has_unfinished_requests():
+            return {}
+        return self._collect(self.engine.step())
+
+    def close(self) -> None:
+        self._abort(tuple(self.running))
+        self.engine.engine_core.shutdown()
+        self.llm = self.engine = None
+
+    def _add(self, request: NewRequest) -> None:
+        # Rendered first: vLLM 0.32 deprecates passing a raw prompt dict to add_request.
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        engine_input = self.engine.renderer.render_cmpl([prompt])[0]
+        self.engine.add_request(request.request_id, engine_input, _sampling_params(request.sampling))
+        self.running.add(request.request_id)
+
+    def _abort(self, finished_ids: tuple[str, ...]) -> None:
+        request_ids = [request_id for request_id in finished_ids if request_id in self.running]
+        if request_ids:
+            self.engine.abort_request(request_ids)
+            self.running.difference_update(request_ids)
+
+    def _collect(self, outputs: list) -> dict[str, tuple[int, ...]]:
+        # A request still in (chunked) prefill has no output this step, so it is absent here.
+        new_token_ids = {}
+        for output in outputs:
+            new_token_ids[output.request_id] = tuple(output.outputs[0].token_ids)
+            if output.finished:
+                self.running.discard(output.request_id)
+        return new_token_ids
+
+
+def _sampling_params(sampling: WorkerSampling):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # temperature 0 makes vLLM greedy; top_k 0 means "disabled" in vLLM too.
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        seed=sampling.seed, max_tokens=sampling.max_tokens, detokenize=False,
+        output_kind=RequestOutputKind.DELTA)
+
+
+def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
+    args = dict(
+        model=model_path, dtype=config.dtype, enforce_eager=True, seed=0,
+        max_model_len=config.max_model_len or None, max_num_seqs=config.max_batch_size,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        disable_log_stats=True)
+    if device == "cuda":
+        # On CPU this flag means a share of host RAM; VLLM_CPU_KVCACHE_SPACE sizes the cache there.
+        args["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return args
+
+
+def _set_environment(cache_dir: str, device: str) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # A daemonic worker may not have children, so the engine core must run in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cache_dir) / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "torchinductor"))
+    if device == "cpu":
+        # GiB of KV cache; unset, vLLM would reserve gpu_memory_utilization (0.9) of all host RAM.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _eos_token_ids(llm) -> tuple[int, ...]:
+    ids = set()
+    for eos in (llm.get_tokenizer().eos_token_id,
+                llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id")):
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))
