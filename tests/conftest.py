@@ -1,0 +1,99 @@
+"""Shared fixtures: real models (a tiny random one and the embedded SmolLM2), real engines, live servers."""
+import logging
+import threading
+
+import pytest
+from werkzeug.serving import make_server
+
+from engine import EngineConfig, LLMEngine
+
+from .torch_jobs import run_job
+
+
+@pytest.fixture(scope="session")
+def smol_model_dir() -> str:
+    from engine.model_store import resolve_model
+
+    return resolve_model(EngineConfig())  # prepares it in a child process if `make model` has not
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_model_dir) -> str:
+    return run_job("build_tiny_model", target=str(tmp_path_factory.mktemp("tiny-llama")), architecture="llama",
+                   tokenizer_dir=smol_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_dir(tmp_path_factory, smol_model_dir) -> str:
+    return run_job("build_tiny_model", target=str(tmp_path_factory.mktemp("tiny-opt")), architecture="opt",
+                   tokenizer_dir=smol_model_dir)
+
+
+@pytest.fixture
+def make_engine():
+    """Start real engines (real forked workers); every one is shut down after the test."""
+    engines = []
+
+    def start(model: str, **settings) -> LLMEngine:
+        settings.setdefault("dtype", "float32")
+        settings.setdefault("threads", 1)
+        engine = LLMEngine(EngineConfig(model=model, **settings)).start()
+        engines.append(engine)
+        return engine
+
+    yield start
+    for engine in engines:
+        engine.shutdown()
+
+
+class LiveServer:
+    """The real app on a real port (werkzeug, threaded), in this process."""
+
+    def __init__(self, app):
+        self.app = app
+        self.state = app.extensions["lockstep"]
+        self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.ws_url = f"ws://127.0.0.1:{self.server.server_port}/ws"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.state.engine.shutdown()
+
+
+@pytest.fixture
+def make_server_for():
+    from app import create_app
+
+    servers = []
+
+    def start(model: str, settings=None, **engine_settings) -> LiveServer:
+        engine_settings.setdefault("dtype", "float32")
+        engine_settings.setdefault("threads", 1)
+        config = {"ENGINE": EngineConfig(model=model, **engine_settings), "WAIT_FOR_MODEL": True}
+        if settings is not None:
+            config["SETTINGS"] = settings
+        server = LiveServer(create_app(config))
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def smol_server(smol_model_dir):
+    """One live server with the real embedded model (bfloat16, its default), shared by a module."""
+    from app import create_app
+
+    server = LiveServer(create_app({"ENGINE": EngineConfig(), "WAIT_FOR_MODEL": True}))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_http_logs():
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)

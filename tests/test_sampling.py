@@ -1,0 +1,57 @@
+"""SamplingParams validation and the worker's logits -> token ladder."""
+import pickle
+
+import pytest
+import torch
+
+from engine import InvalidRequest, SamplingParams
+from engine.backends.sampler import TokenSampler, keep_top_p, logits_to_probs
+from engine.messages import (EchoResult, EchoTask, ModelInfo, NewRequest, ShutdownTask, StepResult, StepTask,
+                             WorkerFailure, WorkerReady, WorkerSampling)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"stop": [1]}, "stop"), ({"stop": ["a"] * 9}, "stop"), ({"stop": [""]}, "stop"),
+    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"max_tokens": True}, "max_tokens"),
+])
+def test_bad_sampling_fields_name_the_field(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.from_request(body)
+    assert info.value.param == param
+
+
+def test_good_sampling_fields():
+    params = SamplingParams.from_request({"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+                                          "stop": "\n", "seed": 3})
+    assert params.stop == ("\n",) and params.for_worker(5) == WorkerSampling(0.7, 0.9, 40, 3, 5)
+
+
+def test_top_k_keeps_only_the_k_best():
+    probs = logits_to_probs(torch.tensor([1.0, 3.0, 2.0, 0.0]), temperature=1.0, top_k=2, top_p=1.0)
+    assert probs[0] == 0 and probs[3] == 0 and probs[1] > probs[2] > 0
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    kept = keep_top_p(torch.tensor([0.5, 0.3, 0.15, 0.05]), 0.7)
+    assert kept.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    assert TokenSampler(WorkerSampling(), torch.device("cpu"))(logits) == int(logits.argmax())
+    draws = [[TokenSampler(WorkerSampling(1.0, seed=7), torch.device("cpu"))(logits) for _ in range(1)]
+             for _ in range(3)]
+    assert draws[0] == draws[1] == draws[2]
+    sampler = TokenSampler(WorkerSampling(1.0, seed=7), torch.device("cpu"))
+    assert len({sampler(logits) for _ in range(50)}) > 1  # a real draw, not argmax
+
+
+@pytest.mark.parametrize("message", [
+    StepTask(1, (NewRequest("r", (1, 2), WorkerSampling(0.5, 0.9, 3, 4, 5)),), ("x",)), EchoTask(2, "p"),
+    ShutdownTask(), StepResult(1, {"r": (5,)}), EchoResult(2, "p"), WorkerFailure(3, "boom"),
+    WorkerReady(ModelInfo("m", "hf", "bfloat16", "cpu", 2048, (2,))),
+])
+def test_every_message_survives_pickling(message):
+    assert pickle.loads(pickle.dumps(message)) == message

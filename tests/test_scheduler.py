@@ -1,0 +1,105 @@
+"""WorkloadManager with a scripted worker: admission by policy, queue bounds, aborts, frees."""
+import queue
+
+import pytest
+
+from engine import FinishReason, Overloaded
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import WorkerSampling
+from engine.scheduler import WorkloadManager
+from engine.sequence import RequestOutput, Sequence
+
+
+class CharTokenizer:
+    """One token per character: enough for the scheduler's bookkeeping."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def make_seq(request_id: str, max_tokens: int = 3) -> Sequence:
+    return Sequence(request_id, [65, 66], WorkerSampling(max_tokens=max_tokens),
+                    IncrementalDetokenizer(CharTokenizer()), queue.Queue(), frozenset({0}))
+
+
+def run_step(manager: WorkloadManager, token: int = 120):
+    """What the engine loop does, with a worker that answers `token` for every running request."""
+    plan = manager.schedule(timeout=0)
+    manager.postprocess({seq.request_id: (token,) for seq in manager.running})
+    return plan
+
+
+def outputs(seq: Sequence) -> RequestOutput:
+    items = []
+    while not seq.sink.empty():
+        items.append(seq.sink.get())
+    return items[-1]
+
+
+def test_continuous_admits_up_to_the_batch_size_and_refills_between_steps():
+    manager = WorkloadManager(max_batch_size=2, policy="continuous")
+    seqs = [make_seq("a", 1), make_seq("b", 3), make_seq("c", 3)]
+    for seq in seqs:
+        manager.add(seq)
+    plan = run_step(manager)
+    assert [r.request_id for r in plan.new_requests] == ["a", "b"]
+    plan = run_step(manager)  # a finished after 1 token, so c joins while b keeps running
+    assert [r.request_id for r in plan.new_requests] == ["c"] and plan.finished_ids == ("a",)
+
+
+def test_static_waits_for_the_whole_batch():
+    manager = WorkloadManager(max_batch_size=2, policy="static")
+    for seq in (make_seq("a", 1), make_seq("b", 3), make_seq("c", 1)):
+        manager.add(seq)
+    admitted = [[r.request_id for r in run_step(manager).new_requests] for _ in range(4)]
+    assert admitted == [["a", "b"], [], [], ["c"]]
+
+
+def test_none_runs_one_request_at_a_time():
+    manager = WorkloadManager(max_batch_size=8, policy="none")
+    for seq in (make_seq("a", 2), make_seq("b", 2)):
+        manager.add(seq)
+    admitted = [[r.request_id for r in run_step(manager).new_requests] for _ in range(3)]
+    assert admitted == [["a"], [], ["b"]]
+
+
+def test_full_queue_raises_overloaded_instead_of_blocking():
+    manager = WorkloadManager(max_batch_size=1, max_queue=2)
+    manager.add(make_seq("a"))
+    manager.add(make_seq("b"))
+    with pytest.raises(Overloaded):
+        manager.add(make_seq("c"))
+
+
+def test_abort_waiting_finishes_at_once_and_running_at_the_next_step():
+    manager = WorkloadManager(max_batch_size=1)
+    running, waiting = make_seq("a", 10), make_seq("b")
+    manager.add(running)
+    manager.add(waiting)
+    run_step(manager)
+    assert manager.abort("b") and outputs(waiting).finish_reason is FinishReason.ABORT
+    assert manager.abort("a") and manager.num_running == 1  # still holds its slot until the next step
+    plan = manager.schedule(timeout=0)
+    assert plan.finished_ids == ("a",) and manager.num_running == 0
+    assert outputs(running).finish_reason is FinishReason.ABORT and not manager.abort("a")
+
+
+def test_eos_and_length_finish_reasons_and_usage():
+    manager = WorkloadManager()
+    eos, length = make_seq("eos", 5), make_seq("len", 2)
+    manager.add(eos)
+    manager.add(length)
+    manager.schedule(timeout=0)
+    manager.postprocess({"eos": (72,), "len": (72,)})
+    manager.postprocess({"eos": (0,), "len": (73,)})
+    assert outputs(eos).finish_reason is FinishReason.STOP
+    out = outputs(length)
+    assert out.finish_reason is FinishReason.LENGTH
+    assert out.text == "HI" and out.usage.completion_tokens == 2 and out.usage.prompt_tokens == 2
+
+
+def test_schedule_blocks_until_work_arrives_and_returns_none_on_timeout():
+    manager = WorkloadManager()
+    assert manager.schedule(timeout=0.05) is None
+    manager.close()
+    assert manager.schedule(timeout=None) is None
