@@ -194,7 +194,7 @@ class LLMEngine:
 
     def _run_loop(self) -> None:
         while not self._stopping.is_set():
-            if not self._ready.is_set() and not self._start_worker():
+            if not (self._ready.is_set() and self.executor.is_alive()) and not self._start_worker():
                 self._stopping.wait(RESTART_BACKOFF_S)
                 continue
             plan = self.scheduler.schedule(timeout=1.0)

@@ -110,13 +110,14 @@ class ModelExecutor:
 
     def _get_result(self, timeout: float, what: str) -> Result:
         deadline = time.monotonic() + timeout
+        process, results = self._process, self._result_queue
         while True:
             try:
-                return self._result_queue.get(timeout=LIVENESS_CHECK_S)
+                return results.get(timeout=LIVENESS_CHECK_S)
             except queue.Empty:
                 pass
-            if not self._process.is_alive():
-                code = self._process.exitcode
+            if not process.is_alive():
+                code = process.exitcode
                 self._kill()
                 raise WorkerFailed(f"the model worker died (exit code {code}) while {what}")
             if time.monotonic() > deadline:

@@ -1,0 +1,136 @@
+"""Fault injection on the real worker: the original race, a killed worker, a hung worker, a wrong answer."""
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from engine import CorrelationMismatch, FinishReason, SamplingParams, WorkerFailed
+from engine import worker as worker_module
+from engine.messages import EchoResult, EchoTask
+
+PROMPTS = ["Hi", "Tell me a story about dragons.", "1, 2, 3,", "The weather today is"]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def jitter():
+    """The original demo's trick: widen the window between a caller's put and its get."""
+    time.sleep(random.uniform(0, 0.002))
+
+
+def hammer_echo(executor, thread_index: int, num_calls: int, swaps: list, errors: list,
+                expected_errors=(CorrelationMismatch, WorkerFailed)):
+    for i in range(num_calls):
+        payload = f"{thread_index}:{i}"
+        try:
+            answer = executor.echo(payload, timeout=10)
+        except expected_errors as exc:
+            errors.append(exc)
+            return
+        if answer != payload:
+            swaps.append((payload, answer))
+
+
+def test_without_the_mutex_callers_take_each_others_results(make_engine, tiny_model_dir):
+    """Reproduce the original race: concurrent put/get on one queue pair with no lock."""
+    engine = make_engine(tiny_model_dir)
+    executor = engine.executor
+    executor._round_trip_lock = contextlib.nullcontext()  # the original design: nothing serializes callers
+    executor.after_put_hook = jitter
+    swaps, errors = [], []
+    # Unlocked, a caller may also find the queues closed under it once another caller killed the worker.
+    broken = (CorrelationMismatch, WorkerFailed, ValueError, OSError)
+    threads = [threading.Thread(target=hammer_echo, args=(executor, t, 100, swaps, errors, broken))
+               for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # Every swap is caught by the correlation id as a loud error; none reaches a caller silently.
+    assert any(isinstance(e, CorrelationMismatch) for e in errors)
+    assert swaps == []
+
+
+def test_with_the_mutex_every_caller_gets_its_own_result(make_engine, tiny_model_dir):
+    """Streaming, batch and direct executor callers at once, under the same jitter: zero swaps."""
+    engine = make_engine(tiny_model_dir)
+    expected = {p: engine.generate([p], GREEDY)[0].text for p in PROMPTS}
+    engine.executor.after_put_hook = jitter
+    swaps, errors, mismatched = [], [], []
+
+    def streamer(prompt):
+        for _ in range(4):
+            handle = engine.submit(prompt, GREEDY)
+            text = "".join(handle)
+            if text != expected[prompt] or handle.result().text != expected[prompt]:
+                mismatched.append(prompt)
+
+    def batcher():
+        for _ in range(4):
+            texts = [o.text for o in engine.generate(PROMPTS, GREEDY)]
+            if texts != [expected[p] for p in PROMPTS]:
+                mismatched.append("batch")
+
+    threads = [threading.Thread(target=streamer, args=(p,)) for p in PROMPTS]
+    threads += [threading.Thread(target=batcher) for _ in range(2)]
+    threads += [threading.Thread(target=hammer_echo, args=(engine.executor, t, 60, swaps, errors))
+                for t in range(4)]
+    calls_before = next(engine.executor._call_ids)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    round_trips = next(engine.executor._call_ids) - calls_before
+    assert round_trips >= 300
+    assert (swaps, errors, mismatched) == ([], [], [])
+
+
+def wait_for_restart(engine, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not engine.check_worker(timeout=5):
+        assert time.monotonic() < deadline, "the worker was not restarted"
+        engine._ready.wait(0.2)
+
+
+def test_killed_worker_fails_in_flight_requests_then_recovers(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    handles = [engine.submit(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in PROMPTS[:2]]
+    next(iter(handles[0]))
+    old_pid = engine.executor.pid
+    os.kill(old_pid, signal.SIGKILL)
+    for handle in handles:
+        output = handle.result(timeout=30)
+        assert output.finish_reason is FinishReason.ERROR
+        assert output.error_code == "worker_failed" and "died" in output.error
+    after = engine.generate(["Hi"], SamplingParams(max_tokens=4), timeout=60)[0]
+    assert after.finish_reason is FinishReason.LENGTH and engine.executor.pid != old_pid
+
+
+def test_hung_worker_is_detected_by_the_timeout_and_replaced(make_engine, tiny_model_dir):
+    engine = make_engine(tiny_model_dir, step_timeout_s=2.0)
+    handle = engine.submit("Hello", SamplingParams(max_tokens=200, ignore_eos=True))
+    next(iter(handle))
+    os.kill(engine.executor.pid, signal.SIGSTOP)
+    output = handle.result(timeout=30)
+    assert output.finish_reason is FinishReason.ERROR and "did not answer" in output.error
+    wait_for_restart(engine)
+    assert engine.generate(["Hi"], SamplingParams(max_tokens=4))[0].finish_reason is FinishReason.LENGTH
+
+
+def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, monkeypatch):
+    real_handle_task = worker_module.handle_task
+
+    def lying_handle_task(backend, task):
+        if isinstance(task, EchoTask) and task.payload == "lie":
+            return EchoResult(task.call_id + 1000, task.payload)
+        return real_handle_task(backend, task)
+
+    monkeypatch.setattr(worker_module, "handle_task", lying_handle_task)  # inherited by the forked worker
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(CorrelationMismatch):
+        engine.executor.echo("lie")
+    wait_for_restart(engine)
+    assert engine.executor.echo("truth") == "truth"
