@@ -1,0 +1,140 @@
+"""REST against a live server (werkzeug on a real port) with the real engine and a tiny model."""
+import pytest
+
+from app.state import ServerSettings
+
+from .client import http
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from .conftest import LiveServer
+    from app import create_app
+    from engine import EngineConfig
+
+    settings = ServerSettings(max_prompts=4, max_body_bytes=4096)
+    live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1,
+                                                         max_queue=16),
+                                  "SETTINGS": settings, "WAIT_FOR_MODEL": True}))
+    yield live
+    live.stop()
+
+
+def post(server, path, body, **kwargs):
+    return http("POST", server.url + path, body, **kwargs)
+
+
+def test_basic_generate(server):
+    status, _, body = post(server, "/basic_generate", {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
+    assert status == 200 and body["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5 and body["generated_text"]
+    assert body["timing"]["ttft_ms"] > 0
+
+
+def test_generate_keeps_order_and_matches_single_calls(server):
+    prompts = ["Hello", "A much longer prompt about the sea and the sky", "1 2 3"]
+    _, _, batch = post(server, "/generate", {"prompts": prompts, "max_tokens": 8, "ignore_eos": True})
+    singles = [post(server, "/basic_generate", {"prompt": p, "max_tokens": 8, "ignore_eos": True})[2]
+               for p in prompts]
+    assert batch["generated_texts"] == [s["generated_text"] for s in singles]
+    assert batch["finish_reasons"] == ["length"] * 3 and batch["usage"]["completion_tokens"] == 24
+
+
+def test_openai_completions_and_chat(server):
+    status, _, body = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+    assert status == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 4
+    status, _, body = post(server, "/v1/chat/completions",
+                           {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                            "ignore_eos": True})
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant" and body["usage"]["prompt_tokens"] > 10
+
+
+def test_models_tokenize_health_ready(server):
+    _, _, models = http("GET", server.url + "/v1/models")
+    card = models["data"][0]
+    assert card["backend"] == "hf" and card["max_model_len"] == 256 and card["ready"] is True
+    _, _, tokens = post(server, "/tokenize", {"prompt": "Hello world"})
+    assert tokens["count"] == len(tokens["tokens"]) == 2
+    assert http("GET", server.url + "/health")[0] == 200
+    assert http("GET", server.url + "/ready")[2]["status"] == "ready"
+
+
+def test_metrics_after_traffic(server):
+    post(server, "/basic_generate", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+    _, _, text = http("GET", server.url + "/metrics")
+    for name in ("lockstep:time_to_first_token_seconds_bucket", "lockstep:inter_token_latency_seconds_count",
+                 "lockstep:e2e_request_latency_seconds_sum", "lockstep:request_queue_time_seconds_count",
+                 "lockstep:num_requests_running", "lockstep:num_requests_waiting",
+                 "lockstep:prompt_tokens_total", "lockstep:generation_tokens_total",
+                 'lockstep:request_success_total{finished_reason="length"}'):
+        assert name in text
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/basic_generate", {}, 422, "prompt"),
+    ("/basic_generate", {"prompt": ""}, 422, "prompt"),
+    ("/basic_generate", {"prompt": 5}, 422, "prompt"),
+    ("/basic_generate", {"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ("/basic_generate", {"prompt": "x", "max_tokens": 100000}, 422, "max_tokens"),
+    ("/basic_generate", {"prompt": "x", "temperature": -1}, 422, "temperature"),
+    ("/basic_generate", {"prompt": "x", "top_p": 0}, 422, "top_p"),
+    ("/basic_generate", {"prompt": "x", "top_p": 1.01}, 422, "top_p"),
+    ("/basic_generate", {"prompt": "x", "top_k": -2}, 422, "top_k"),
+    ("/basic_generate", {"prompt": "x", "stop": ["a"] * 9}, 422, "stop"),
+    ("/basic_generate", {"prompt": "word " * 300}, 422, "prompt"),
+    ("/generate", {"prompts": []}, 422, "prompts"),
+    ("/generate", {"prompts": ["a"] * 5}, 422, "prompts"),
+    ("/generate", {"prompts": ["a", 3]}, 422, "prompts"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages"),
+    ("/v1/completions", {"prompt": "x", "stream": True}, 400, "stream"),
+])
+def test_bad_fields_get_an_openai_error_naming_the_field(server, path, body, status, param):
+    got, _, answer = post(server, path, body)
+    assert got == status
+    assert answer["error"]["param"] == param and answer["error"]["message"]
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw, content_type, status, code", [
+    (b"{not json", "application/json", 400, "invalid_json"),
+    (b'"a string"', "application/json", 400, "invalid_json"),
+    (b'{"prompt": "\xff\xfe"}', "application/json", 400, "invalid_utf8"),
+    (b'{"prompt": "x"}', "text/plain", 400, "invalid_content_type"),
+    (b'{"prompt": "' + b"x" * 5000 + b'"}', "application/json", 413, "request_entity_too_large"),
+])
+def test_unreadable_bodies(server, raw, content_type, status, code):
+    got, _, answer = post(server, "/basic_generate", raw, content_type=content_type)
+    assert (got, answer["error"]["code"]) == (status, code)
+    assert "Traceback" not in str(answer)
+
+
+def test_unknown_route_and_method_are_json_errors(server):
+    assert http("GET", server.url + "/nope")[2]["error"]["code"] == "not_found"
+    status, _, body = http("GET", server.url + "/basic_generate")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    engine = server.state.engine
+    limit = engine.scheduler.max_queue
+    engine.scheduler.max_queue = 0
+    try:
+        status, headers, body = post(server, "/basic_generate", {"prompt": "x"})
+    finally:
+        engine.scheduler.max_queue = limit
+    assert status == 429 and headers["Retry-After"] and body["error"]["code"] == "overloaded"
+    assert post(server, "/basic_generate", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_api_key_and_origins(make_server_for, tiny_model_dir):
+    live = make_server_for(tiny_model_dir, ServerSettings(api_key="sekret", allowed_origins=("http://ok.test",)))
+    assert post(live, "/tokenize", {"prompt": "x"})[0] == 401
+    auth = {"Authorization": "Bearer sekret"}
+    assert post(live, "/tokenize", {"prompt": "x"}, headers=auth)[0] == 200
+    assert http("GET", live.url + "/health")[0] == 200
+    _, headers, _ = post(live, "/tokenize", {"prompt": "x"}, headers={**auth, "Origin": "http://ok.test"})
+    assert headers["Access-Control-Allow-Origin"] == "http://ok.test"
+    _, headers, _ = post(live, "/tokenize", {"prompt": "x"}, headers={**auth, "Origin": "http://evil.test"})
+    assert "Access-Control-Allow-Origin" not in headers

@@ -1,0 +1,131 @@
+"""WebSocket /ws against a live server with a real client: streaming, multiplexing, cancel, errors, disconnect."""
+import time
+
+import pytest
+import websocket
+
+from .client import WsClient, http
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from .conftest import LiveServer
+    from app import create_app
+    from engine import EngineConfig
+
+    live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1),
+                                  "WAIT_FOR_MODEL": True}))
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def client(server):
+    ws = WsClient(server.ws_url)
+    yield ws
+    ws.close()
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_stream_start_deltas_done(server, client):
+    client.generate("a", prompt="Hello", max_tokens=12, ignore_eos=True)
+    result = client.collect(["a"])["a"]
+    types = [e["type"] for e in result["events"]]
+    assert types[0] == "start" and types[-1] == "done" and types.count("delta") >= 2
+    done = result["final"]
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 12
+    assert done["timing"]["ttft_ms"] > 0 and done["timing"]["tokens_per_s"] > 0
+    rest = http("POST", server.url + "/basic_generate", {"prompt": "Hello", "max_tokens": 12, "ignore_eos": True})
+    assert result["text"] == rest[2]["generated_text"]
+
+
+def test_two_requests_multiplexed_on_one_socket(client):
+    client.generate("one", prompt="Hello", max_tokens=10, ignore_eos=True)
+    client.generate("two", messages=[{"role": "user", "content": "Hi there"}], max_tokens=14, ignore_eos=True)
+    results = client.collect(["one", "two"])
+    assert results["one"]["final"]["usage"]["completion_tokens"] == 10
+    assert results["two"]["final"]["usage"]["completion_tokens"] == 14
+    order = [e["id"] for e in results["one"]["events"] + results["two"]["events"]]
+    assert set(order) == {"one", "two"}
+
+
+def test_cancel_gives_done_with_abort(client):
+    client.generate("long", prompt="Hello", max_tokens=200, ignore_eos=True)
+    assert client.recv()["type"] == "start"
+    assert client.recv()["type"] == "delta"
+    client.send({"type": "cancel", "id": "long"})
+    final = client.collect(["long"])["long"]["final"]
+    assert final["type"] == "done" and final["finish_reason"] == "abort"
+    assert final["usage"]["completion_tokens"] < 200
+
+
+@pytest.mark.parametrize("frame, code", [
+    ("not json", "invalid_json"),
+    ('{"type": "dance", "id": "x"}', "unknown_type"),
+    ('{"type": "generate", "id": "x"}', "invalid_request"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "temperature": -1}', "invalid_request"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": 0}', "invalid_request"),
+    ('{"type": "generate", "prompt": "hi"}', "invalid_id"),
+    ('{"type": "cancel", "id": "nobody"}', "unknown_id"),
+    ('{"type": "generate", "id": "x", "prompt": "' + "word " * 300 + '"}', "context_length_exceeded"),
+])
+def test_bad_messages_get_an_error_and_the_socket_stays_usable(client, frame, code):
+    client.send(frame)
+    error = client.recv()
+    assert error["type"] == "error" and error["code"] == code and error["message"]
+    client.generate("after", prompt="Hi", max_tokens=3, ignore_eos=True)
+    assert client.collect(["after"])["after"]["final"]["type"] == "done"
+
+
+def test_duplicate_id_is_refused_while_running(client):
+    client.generate("dup", prompt="Hello", max_tokens=40, ignore_eos=True)
+    client.generate("dup", prompt="Hello", max_tokens=4)
+    events = client.collect(["dup"], until=("done",))["dup"]["events"]
+    assert any(e["type"] == "error" and e["code"] == "duplicate_id" for e in events)
+
+
+def test_overloaded_is_an_error_on_the_socket(server, client):
+    scheduler = server.state.engine.scheduler
+    limit, scheduler.max_queue = scheduler.max_queue, 0
+    try:
+        client.generate("busy", prompt="Hi", max_tokens=3)
+        error = client.recv()
+    finally:
+        scheduler.max_queue = limit
+    assert error == {"type": "error", "id": "busy", "code": "overloaded", "message": error["message"]}
+
+
+def test_closing_the_socket_cancels_its_requests(server):
+    scheduler = server.state.engine.scheduler
+    ws = WsClient(server.ws_url)
+    ws.generate("a", prompt="Hello", max_tokens=250, ignore_eos=True)
+    ws.generate("b", prompt="World", max_tokens=250, ignore_eos=True)
+    seen = 0
+    while seen < 4:
+        seen += ws.recv()["type"] == "delta"
+    assert scheduler.num_running == 2
+    ws.close()
+    wait_until(lambda: scheduler.num_running == 0)
+    _, _, metrics = http("GET", server.url + "/metrics")
+    assert "lockstep:num_requests_running 0.0" in metrics
+    assert 'lockstep:request_success_total{finished_reason="abort"}' in metrics
+
+
+def test_oversized_frame_closes_the_socket(server):
+    ws = WsClient(server.ws_url)
+    ws.send({"type": "generate", "id": "big", "prompt": "x" * (300 << 10)})
+    opcode, data = ws.ws.recv_data(control_frame=True)
+    assert opcode == websocket.ABNF.OPCODE_CLOSE and int.from_bytes(data[:2], "big") == 1009  # message too big
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_cross_site_socket_is_refused(server):
+    with pytest.raises(websocket.WebSocketBadStatusException) as info:
+        websocket.create_connection(server.ws_url, origin="http://evil.test", timeout=10)
+    assert info.value.status_code == 403
