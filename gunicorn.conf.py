@@ -6,6 +6,7 @@ engine (and forks its own model worker) when it imports wsgi.py: never in the ma
 so no `preload_app`. SIGTERM drains: new requests are refused, running ones finish
 (up to graceful_timeout), then the engine and its model worker are shut down.
 """
+import logging
 import os
 import signal
 
@@ -19,13 +20,8 @@ keepalive = 5
 preload_app = False
 accesslog = "-"
 loglevel = os.environ.get("LOCKSTEP_LOG_LEVEL", "info")
-logconfig_dict = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "root": {"level": loglevel.upper(), "handlers": ["console"]},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-}
+# gunicorn configures only its own loggers; lockstep's (app.*, engine.*) log through the root logger.
+logging.basicConfig(level=loglevel.upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
 
 
 def _state(worker):

@@ -7,6 +7,7 @@ is gone (so a killed server never leaves an orphan holding the model).
 import logging
 import os
 import queue
+import signal
 
 from .config import EngineConfig
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
@@ -20,6 +21,7 @@ PARENT_CHECK_S = 1.0
 def run_worker(config: EngineConfig, model_path: str, backend_choice: tuple[str, str],
                task_queue, result_queue) -> None:
     parent_pid = os.getppid()
+    reset_inherited_signals()
     try:
         backend = load_backend(config, model_path, *backend_choice)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
@@ -39,6 +41,13 @@ def run_worker(config: EngineConfig, model_path: str, backend_choice: tuple[str,
             backend.close()
             return
         result_queue.put(handle_task(backend, task))
+
+
+def reset_inherited_signals() -> None:
+    """Drop handlers copied from the parent (gunicorn's, say): Ctrl-C is the server's to handle, not ours."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def handle_task(backend, task: Task):
