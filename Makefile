@@ -46,7 +46,7 @@ $(VLLM_STAMP): $(STAMP)
 	touch $(VLLM_STAMP)
 
 bench: setup model
-	$(PY) -m bench.throughput
+	$(PY) -m bench.throughput $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache *.egg-info

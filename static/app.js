@@ -156,7 +156,8 @@
   }
 
   function stopField() {
-    const lines = $("stop").value.split("\n").filter((line) => line !== "").map((line) => line.replaceAll("\\n", "\n"));
+    const lines = $("stop").value.split("\n").filter((line) => line !== "")
+      .map((line) => line.replaceAll("\\n", "\n"));
     if (lines.length > MAX_STOP_STRINGS) return [undefined, `At most ${MAX_STOP_STRINGS} stop strings.`];
     if (lines.some((line) => line.length > MAX_STOP_LENGTH)) {
       return [undefined, `Each stop string may have at most ${MAX_STOP_LENGTH} characters.`];
@@ -221,8 +222,8 @@
   }
 
   function setChatBusy(isBusy) {
-    $("send").disabled = isBusy;
-    $("stop").disabled = !isBusy;
+    $("chat-send").disabled = isBusy;
+    $("chat-stop").disabled = !isBusy;
   }
 
   function chatNotice(text) {
@@ -442,7 +443,7 @@
     const button = el("button", "preset", label);
     button.type = "button";
     button.title = text;
-    button.setAttribute("aria-label", `Preset: ${text}`);
+    button.setAttribute("aria-label", `${label}: ${text}`);
     button.addEventListener("click", () => usePreset(text));
     $("presets").append(button);
   }
@@ -462,8 +463,8 @@
       stopChat();
     }
   });
-  $("stop").addEventListener("click", stopChat);
-  $("new-chat").addEventListener("click", newChat);
+  $("chat-stop").addEventListener("click", stopChat);
+  $("chat-new").addEventListener("click", newChat);
   $("single-form").addEventListener("submit", (event) => {
     event.preventDefault();
     runSingle();

@@ -91,6 +91,8 @@ def test_header_shows_model_backend_and_connection(open_page, smol_server):
     expect(page.locator("#model-badge")).to_contain_text(backend)
     expect(page.locator("#model-badge")).to_contain_text(smol_server.state.model_name)
     expect(page.locator("#conn-badge")).to_have_text("connected")
+    ids = page.evaluate("[...document.querySelectorAll('[id]')].map(node => node.id)")
+    assert len(ids) == len(set(ids)), "element ids must be unique"
 
 
 def test_chat_streams_the_answer_and_shows_timings(open_page):
@@ -113,10 +115,10 @@ def test_chat_streams_the_answer_and_shows_timings(open_page):
     expect(answer.locator("[data-k=tps]")).to_have_text(re.compile(r"^\d+\.\d tokens/s$"))
     expect(answer.locator("[data-k=tokens]")).to_have_text(re.compile(r"^([1-9]|1[0-2]) tokens$"))
     expect(answer.locator("[data-k=finish]")).to_have_text(re.compile(r"^(stop|length)$"))
-    expect(page.locator("#send")).to_be_enabled()
-    expect(page.locator("#stop")).to_be_disabled()
+    expect(page.locator("#chat-send")).to_be_enabled()
+    expect(page.locator("#chat-stop")).to_be_disabled()
 
-    page.click("#new-chat")
+    page.click("#chat-new")
     expect(page.locator("#chat-log .msg")).to_have_count(0)
 
 
@@ -126,7 +128,7 @@ def test_stop_keeps_the_partial_answer(open_page):
     send(page, "Write a long story about a dragon who learns to fly.")
     answer = last_answer(page)
     expect(answer.locator(".body")).to_have_text(re.compile(r"\S"), timeout=GENERATION_MS)
-    page.click("#stop")
+    page.click("#chat-stop")
 
     expect(answer.locator("[data-k=finish]")).to_have_text("abort", timeout=GENERATION_MS)
     partial = answer.locator(".body").inner_text()
@@ -134,7 +136,7 @@ def test_stop_keeps_the_partial_answer(open_page):
     tokens = int(answer.locator("[data-k=tokens]").inner_text().split()[0])
     assert 1 <= tokens < 400
     expect(answer.locator(".body")).to_have_text(partial)
-    expect(page.locator("#send")).to_be_enabled()
+    expect(page.locator("#chat-send")).to_be_enabled()
 
 
 def test_server_errors_are_shown_inline(open_page):
@@ -147,7 +149,7 @@ def test_server_errors_are_shown_inline(open_page):
     expect(error).to_contain_text("context_length_exceeded", timeout=GENERATION_MS)
     expect(error).to_contain_text("8192")
     expect(page.locator("#chat-log .msg.user")).to_have_class(re.compile(r"\bfailed\b"))
-    expect(page.locator("#send")).to_be_enabled()
+    expect(page.locator("#chat-send")).to_be_enabled()
 
     page.click("#tab-single")
     page.fill("#single-input", too_long)
@@ -252,6 +254,27 @@ def test_reconnects_after_the_socket_drops(open_page):
     set_settings(page, max_tokens=2)
     send(page, "Hi")
     wait_done(last_answer(page))
+
+
+def test_api_key_in_the_page_url_reaches_rest_and_socket(browser, make_server_for, tiny_model_dir):
+    from app.state import ServerSettings
+
+    server = make_server_for(tiny_model_dir, ServerSettings(api_key="sekret"))
+    context = browser.new_context(viewport=DESKTOP)
+    try:
+        page = context.new_page()
+        page.goto(f"{server.url}/?api_key=sekret")
+        expect(page.locator("#conn-badge")).to_have_attribute("data-state", "open")
+        expect(page.locator("#model-badge")).to_contain_text("hf")
+        set_settings(page, max_tokens=2)
+        send(page, "Hi")
+        wait_done(last_answer(page))
+
+        page.goto(server.url)
+        expect(page.locator("#model-badge")).to_contain_text("a valid API key is required")
+        expect(page.locator("#conn-badge")).to_have_attribute("data-state", "closed")
+    finally:
+        context.close()
 
 
 def test_screenshots_of_a_finished_conversation(open_page):
