@@ -13,7 +13,7 @@ import signal
 bind = f"{os.environ.get('LOCKSTEP_HOST', '127.0.0.1')}:{os.environ.get('LOCKSTEP_PORT', '8000')}"
 workers = int(os.environ.get("LOCKSTEP_WORKERS", "1"))  # one model copy each
 worker_class = "gthread"
-threads = int(os.environ.get("LOCKSTEP_THREADS", "64"))
+threads = int(os.environ.get("LOCKSTEP_HTTP_THREADS", "64"))
 timeout = 120  # the worker heartbeat; WebSocket threads keep it alive, long generations are fine
 graceful_timeout = int(os.environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", "30"))
 keepalive = 5

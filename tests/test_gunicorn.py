@@ -37,7 +37,7 @@ def wait_ready(url: str, process, timeout: float = 180):
 @pytest.fixture
 def gunicorn(smol_model_dir, tmp_path):
     port = free_port()
-    env = {**os.environ, "LOCKSTEP_PORT": str(port), "LOCKSTEP_THREADS": "16"}
+    env = {**os.environ, "LOCKSTEP_PORT": str(port), "LOCKSTEP_HTTP_THREADS": "16"}
     log = open(tmp_path / "gunicorn.log", "w+")
     process = subprocess.Popen([str(Path(sys.executable).parent / "gunicorn"), "-c", "gunicorn.conf.py", "wsgi:app"],
                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
