@@ -18,6 +18,8 @@ timeout = 120  # the worker heartbeat; WebSocket threads keep it alive, long gen
 graceful_timeout = int(os.environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", "30"))
 keepalive = 5
 preload_app = False
+# One control socket path per user is shared by every gunicorn; two servers (or a test beside `make serve`) collide.
+control_socket_disable = True
 accesslog = "-"
 loglevel = os.environ.get("LOCKSTEP_LOG_LEVEL", "info")
 # gunicorn configures only its own loggers; lockstep's (app.*, engine.*) log through the root logger.

@@ -3,7 +3,8 @@ import logging
 
 from flask import Flask
 
-from engine import EngineConfig, LLMEngine
+from engine import BackendUnavailable, EngineConfig, LLMEngine
+from engine.model_store import ModelNotFound
 
 from . import api, ops, pages, ws
 from .errors import register_error_handlers
@@ -13,6 +14,8 @@ from .state import EXTENSION_KEY, AppState, ServerSettings
 
 logger = logging.getLogger(__name__)
 
+STARTUP_FAILURE_EXIT_CODE = 3  # gunicorn's "worker failed to boot": the master stops instead of respawning
+
 
 def create_app(config: dict | None = None) -> Flask:
     """Build the app. `config` may set ENGINE (EngineConfig), SETTINGS (ServerSettings), START_ENGINE and
@@ -20,8 +23,11 @@ def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.config.from_mapping(START_ENGINE=True, WAIT_FOR_MODEL=False)
     app.config.update(config or {})
-    engine_config = app.config.get("ENGINE") or EngineConfig.from_env()
-    settings = app.config.get("SETTINGS") or ServerSettings.from_env()
+    try:
+        engine_config = app.config.get("ENGINE") or EngineConfig.from_env()
+        settings = app.config.get("SETTINGS") or ServerSettings.from_env()
+    except ValueError as exc:
+        raise _startup_failure(f"bad configuration: {exc}") from None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["SOCK_SERVER_OPTIONS"] = ws.socket_options(settings)
 
@@ -35,5 +41,14 @@ def create_app(config: dict | None = None) -> Flask:
     for module in (api, ops, pages, ws):
         app.register_blueprint(module.bp)
     if app.config["START_ENGINE"]:
-        engine.start(wait=app.config["WAIT_FOR_MODEL"])
+        try:
+            engine.start(wait=app.config["WAIT_FOR_MODEL"])
+        except (BackendUnavailable, ModelNotFound) as exc:
+            raise _startup_failure(str(exc)) from None
     return app
+
+
+def _startup_failure(message: str) -> SystemExit:
+    """A mis-set server stops at start with one clear line, not a traceback (or a respawn loop)."""
+    logger.critical("lockstep cannot start: %s", message)
+    return SystemExit(STARTUP_FAILURE_EXIT_CODE)

@@ -1,4 +1,5 @@
 """The chat page in real headless Chromium (Playwright) against a live server with the real embedded model."""
+import os
 import re
 from pathlib import Path
 
@@ -277,17 +278,18 @@ def test_api_key_in_the_page_url_reaches_rest_and_socket(browser, make_server_fo
         context.close()
 
 
-def test_screenshots_of_a_finished_conversation(open_page):
+def test_screenshots_of_a_finished_conversation(open_page, tmp_path):
+    """UPDATE_SCREENSHOTS=1 refreshes the README's pictures in docs/; otherwise they go to a temporary folder."""
+    folder = DOCS if os.environ.get("UPDATE_SCREENSHOTS") == "1" else tmp_path
     page = open_page(DESKTOP)
     set_settings(page, temperature=0, max_tokens=24)
     send(page, "What is the capital of France? Answer in one sentence.")
     wait_done(last_answer(page))
     page.locator("#chat-input").blur()
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=DOCS / "screenshot-desktop.png")
+    page.screenshot(path=folder / "screenshot-desktop.png")
 
     page.set_viewport_size(PHONE)
     page.click("#settings > summary")  # a phone opens with the settings folded
     expect(page.locator("#temperature")).to_be_hidden()
     assert has_no_horizontal_scroll(page)
-    page.screenshot(path=DOCS / "screenshot-phone.png")
+    page.screenshot(path=folder / "screenshot-phone.png")
