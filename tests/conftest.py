@@ -63,21 +63,25 @@ class LiveServer:
         self.state.engine.shutdown()
 
 
-@pytest.fixture
-def make_server_for():
+def start_live_server(model: str, settings=None, **engine_settings) -> LiveServer:
+    """The app with a real engine for `model` (float32, one thread unless told otherwise), on a real port."""
     from app import create_app
 
+    engine_settings.setdefault("dtype", "float32")
+    engine_settings.setdefault("threads", 1)
+    config = {"ENGINE": EngineConfig(model=model, **engine_settings), "WAIT_FOR_MODEL": True}
+    if settings is not None:
+        config["SETTINGS"] = settings
+    return LiveServer(create_app(config))
+
+
+@pytest.fixture
+def make_server_for():
     servers = []
 
     def start(model: str, settings=None, **engine_settings) -> LiveServer:
-        engine_settings.setdefault("dtype", "float32")
-        engine_settings.setdefault("threads", 1)
-        config = {"ENGINE": EngineConfig(model=model, **engine_settings), "WAIT_FOR_MODEL": True}
-        if settings is not None:
-            config["SETTINGS"] = settings
-        server = LiveServer(create_app(config))
-        servers.append(server)
-        return server
+        servers.append(start_live_server(model, settings, **engine_settings))
+        return servers[-1]
 
     yield start
     for server in servers:
@@ -87,11 +91,19 @@ def make_server_for():
 @pytest.fixture(scope="module")
 def smol_server(smol_model_dir):
     """One live server with the real embedded model (bfloat16, its default), shared by a module."""
-    from app import create_app
-
-    server = LiveServer(create_app({"ENGINE": EngineConfig(), "WAIT_FOR_MODEL": True}))
+    server = start_live_server(smol_model_dir, dtype="bfloat16", threads=0)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def client(server):
+    """A real WebSocket client on the module's `server`."""
+    from .client import WsClient
+
+    ws = WsClient(server.ws_url)
+    yield ws
+    ws.close()
 
 
 @pytest.fixture(autouse=True)

@@ -5,22 +5,15 @@ from app import STARTUP_FAILURE_EXIT_CODE, create_app
 from engine import BackendUnavailable, EngineConfig
 from engine import backends
 
-from .client import WsClient, http
-from .conftest import LiveServer
+from .client import http
+from .conftest import start_live_server
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
 def server(request, smol_model_dir):
-    live = LiveServer(create_app({"ENGINE": EngineConfig(backend=request.param), "WAIT_FOR_MODEL": True}))
+    live = start_live_server(smol_model_dir, backend=request.param, dtype="bfloat16", threads=0)
     yield live
     live.stop()
-
-
-@pytest.fixture
-def client(server):
-    ws = WsClient(server.ws_url)
-    yield ws
-    ws.close()
 
 
 def test_models_reports_the_backend(server):

@@ -4,18 +4,12 @@ import pytest
 from app.state import ServerSettings
 
 from .client import http
+from .conftest import start_live_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from .conftest import LiveServer
-    from app import create_app
-    from engine import EngineConfig
-
-    settings = ServerSettings(max_prompts=4, max_body_bytes=4096)
-    live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1,
-                                                         max_queue=16),
-                                  "SETTINGS": settings, "WAIT_FOR_MODEL": True}))
+    live = start_live_server(tiny_model_dir, ServerSettings(max_prompts=4, max_body_bytes=4096), max_queue=16)
     yield live
     live.stop()
 

@@ -5,25 +5,14 @@ import pytest
 import websocket
 
 from .client import WsClient, http
+from .conftest import start_live_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from .conftest import LiveServer
-    from app import create_app
-    from engine import EngineConfig
-
-    live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1),
-                                  "WAIT_FOR_MODEL": True}))
+    live = start_live_server(tiny_model_dir)
     yield live
     live.stop()
-
-
-@pytest.fixture
-def client(server):
-    ws = WsClient(server.ws_url)
-    yield ws
-    ws.close()
 
 
 def wait_until(predicate, timeout=10.0):
