@@ -106,6 +106,15 @@ def client(server):
     ws.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _single_threaded_torch_in_the_test_process():
+    """Unit tests run small torch ops here, and this process forks model workers: a parent that has started
+    torch's thread pool makes a forked child hang on its first parallel op. One thread never starts it."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_http_logs():
     logging.getLogger("werkzeug").setLevel(logging.WARNING)

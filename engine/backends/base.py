@@ -14,3 +14,12 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release the model before the worker exits."""
+
+
+def resolve_device(device: str) -> str:
+    """`auto` means CUDA when torch sees a GPU; only ever called in the worker, after the fork."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

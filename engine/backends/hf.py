@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
 from ..messages import ModelInfo, NewRequest
-from .base import Backend
+from .base import Backend, resolve_device
 from .sampler import TokenSampler
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class Row:
 class HFBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
         torch.set_num_threads(config.threads or os.cpu_count() or 1)
-        self.device = torch.device(_resolve_device(config.device))
+        self.device = torch.device(resolve_device(config.device))
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.dtype])
         self.model.to(self.device).eval()
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -147,12 +147,6 @@ def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _context_length(model_config, configured: int) -> int:

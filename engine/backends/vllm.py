@@ -11,14 +11,14 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from ..messages import ModelInfo, NewRequest, WorkerSampling
-from .base import Backend
+from .base import Backend, resolve_device
 
 logger = logging.getLogger(__name__)
 
 
 class VLLMBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
-        device = _resolve_device(config.device)
+        device = resolve_device(config.device)
         _set_environment(config.cache_dir, device)
         # vLLM reads its environment variables when imported, so it is imported only now.
         from vllm import LLM
@@ -43,6 +43,8 @@ class VLLMBackend(Backend):
         return self._collect(self.engine.step())
 
     def close(self) -> None:
+        if self.engine is None:
+            return
         self._abort(tuple(self.running))
         self.engine.engine_core.shutdown()
         self.llm = self.engine = None
@@ -77,7 +79,7 @@ def _sampling_params(sampling: WorkerSampling):
     # temperature 0 makes vLLM greedy; top_k 0 means "disabled" in vLLM too.
     return SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        seed=sampling.seed, max_tokens=sampling.max_tokens, detokenize=False,
+        seed=sampling.seed, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos, detokenize=False,
         output_kind=RequestOutputKind.DELTA)
 
 
@@ -103,14 +105,6 @@ def _set_environment(cache_dir: str, device: str) -> None:
     if device == "cpu":
         # GiB of KV cache; unset, vLLM would reserve gpu_memory_utilization (0.9) of all host RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _eos_token_ids(llm) -> tuple[int, ...]:
