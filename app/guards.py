@@ -2,6 +2,7 @@
 import hmac
 import logging
 import time
+import uuid
 from urllib.parse import urlsplit
 
 from flask import g, request
@@ -24,6 +25,7 @@ def register_guards(app) -> None:
 
 def _start_timer():
     g.started = time.perf_counter()
+    g.request_id = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex[:16]
 
 
 def _check_origin():
@@ -65,8 +67,11 @@ def _add_cors_headers(response):
 
 
 def _log_request(response):
+    """One line per request, never the prompt text."""
     elapsed_ms = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
+    request_id = g.get("request_id", "-")
+    response.headers["X-Request-Id"] = request_id
     if request.endpoint != "ws.chat_socket":
-        logger.info("%s %s %d tokens=%d %.0fms", request.method, request.path, response.status_code,
-                    g.get("completion_tokens", 0), elapsed_ms)
+        logger.info("request %s %s %s status=%d tokens=%d duration=%.0fms", request_id, request.method,
+                    request.path, response.status_code, g.get("completion_tokens", 0), elapsed_ms)
     return response

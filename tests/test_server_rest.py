@@ -18,9 +18,13 @@ def post(server, path, body, **kwargs):
     return http("POST", server.url + path, body, **kwargs)
 
 
-def test_basic_generate(server):
-    status, _, body = post(server, "/basic_generate", {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True})
+def test_basic_generate(server, caplog):
+    caplog.set_level("INFO", logger="app.guards")
+    status, headers, body = post(server, "/basic_generate", {"prompt": "Hello secret", "max_tokens": 5,
+                                                             "ignore_eos": True})
     assert status == 200 and body["finish_reason"] == "length"
+    line = next(r.getMessage() for r in caplog.records if headers["X-Request-Id"] in r.getMessage())
+    assert "POST /basic_generate status=200 tokens=5" in line and "secret" not in caplog.text
     assert body["usage"]["completion_tokens"] == 5 and body["generated_text"]
     assert body["timing"]["ttft_ms"] > 0
 

@@ -72,6 +72,13 @@ def test_bad_messages_get_an_error_and_the_socket_stays_usable(client, frame, co
     assert client.collect(["after"])["after"]["final"]["type"] == "done"
 
 
+def test_invalid_utf8_frame_is_an_error(client):
+    client.ws.send_binary(b'{"type": "generate", "id": "u", "prompt": "\xff\xfe"}')
+    assert client.recv()["code"] == "invalid_utf8"
+    client.generate("after", prompt="Hi", max_tokens=2)
+    assert client.collect(["after"])["after"]["final"]["type"] == "done"
+
+
 def test_duplicate_id_is_refused_while_running(client):
     client.generate("dup", prompt="Hello", max_tokens=40, ignore_eos=True)
     client.generate("dup", prompt="Hello", max_tokens=4)
