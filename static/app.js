@@ -383,15 +383,22 @@
     badge.textContent = text;
   }
 
+  // A local model folder shows as its last part; a hub id like org/name stays whole.
+  function displayName(modelId) {
+    const isPath = /^([/.~]|[A-Za-z]:\\)/.test(modelId);
+    return isPath ? modelId.replace(/[/\\]+$/, "").split(/[/\\]/).pop() : modelId;
+  }
+
   async function loadModelBadge() {
     const badge = $("model-badge");
     try {
       const {data} = await request("v1/models");
       const model = data.data[0];
       maxModelLen = model.max_model_len || 0;
-      const parts = [model.id, model.backend, model.dtype, model.device].filter(Boolean);
+      const parts = [displayName(model.id), model.backend, model.dtype, model.device].filter(Boolean);
       badge.textContent = parts.join(" · ") + (model.ready ? "" : " (loading)");
-      badge.title = model.backend_reason ? `backend: ${model.backend_reason}` : "model and backend";
+      badge.title = [`model: ${model.id}`, model.backend_reason && `backend: ${model.backend_reason}`]
+        .filter(Boolean).join("\n");
     } catch (err) {
       badge.textContent = `model: unavailable (${err.message})`;
       badge.classList.add("bad");

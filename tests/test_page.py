@@ -90,7 +90,9 @@ def test_header_shows_model_backend_and_connection(open_page, smol_server):
     page = open_page()
     backend = smol_server.state.model_card()["backend"]
     expect(page.locator("#model-badge")).to_contain_text(backend)
-    expect(page.locator("#model-badge")).to_contain_text(smol_server.state.model_name)
+    model_id = smol_server.state.model_card()["id"]
+    expect(page.locator("#model-badge")).to_contain_text(Path(model_id).name)
+    expect(page.locator("#model-badge")).to_have_attribute("title", re.compile(re.escape(model_id)))
     expect(page.locator("#conn-badge")).to_have_text("connected")
     ids = page.evaluate("[...document.querySelectorAll('[id]')].map(node => node.id)")
     assert len(ids) == len(set(ids)), "element ids must be unique"

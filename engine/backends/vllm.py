@@ -7,6 +7,7 @@ passed; vLLM still stops on EOS by itself, and the EOS id is included in that la
 """
 import logging
 import os
+import sys
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -20,6 +21,7 @@ class VLLMBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
         device = resolve_device(config.device)
         _set_environment(config.cache_dir, device)
+        _forget_web_context_proxies()
         # vLLM reads its environment variables when imported, so it is imported only now.
         from vllm import LLM
 
@@ -94,6 +96,21 @@ def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
         # On CPU this flag means a share of host RAM; VLLM_CPU_KVCACHE_SPACE sizes the cache there.
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
     return args
+
+
+def _forget_web_context_proxies() -> None:
+    """Drop modules holding Flask's context proxies (`current_app`, `request`, ...), copied by the fork.
+
+    vLLM's CPU kernel registration calls hasattr() on every value of every loaded module, and an
+    unbound proxy raises RuntimeError there. This process never serves HTTP, so it can forget them.
+    """
+    local = sys.modules.get("werkzeug.local")
+    if local is None:
+        return
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        if any(type(value) is local.LocalProxy for value in list(namespace.values())):
+            del sys.modules[name]
 
 
 def _set_environment(cache_dir: str, device: str) -> None:
