@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test setup model chromium vllm bench clean
+.PHONY: serve test setup model chromium vllm bench screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
@@ -47,6 +47,10 @@ $(VLLM_STAMP): $(STAMP)
 
 bench: setup model
 	$(PY) -m bench.throughput $(BENCH_ARGS)
+
+# Refresh docs/screenshot-*.png from a real browser session (best on an idle machine).
+screenshots: setup model chromium
+	UPDATE_SCREENSHOTS=1 $(PY) -m pytest -q tests/test_page.py -k screenshots
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache *.egg-info

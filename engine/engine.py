@@ -64,7 +64,7 @@ class LLMEngine:
         self.executor: ModelExecutor | None = None
         self.info: ModelInfo | None = None
         self.backend_choice: tuple[str, str] | None = None
-        self._ready = threading.Event()
+        self._first_start_done = threading.Event()
         self._stopping = threading.Event()
         self._accepting = True
         self._loop_thread: threading.Thread | None = None
@@ -84,7 +84,7 @@ class LLMEngine:
         self.executor = ModelExecutor(self.config, model_path, self.backend_choice)
         self._loop_thread = threading.Thread(target=self._run_loop, name="lockstep-scheduler", daemon=True)
         self._loop_thread.start()
-        if wait and not self._ready.wait(self.config.load_timeout_s):
+        if wait and not self._first_start_done.wait(self.config.load_timeout_s):
             raise NotReady("the model worker did not become ready in time")
         if wait and self.load_error:
             raise WorkerFailed(self.load_error)
@@ -105,12 +105,11 @@ class LLMEngine:
             self._loop_thread.join(self.config.step_timeout_s)
         if self.executor:
             self.executor.shutdown()
-        self._ready.clear()
         logger.info("engine stopped")
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.executor is not None and self.executor.is_alive()
+        return self.executor is not None and self.executor.is_alive()
 
     def check_worker(self, timeout: float = 5.0) -> bool:
         """A real round-trip through the mutex: True only if the worker answers."""
@@ -194,7 +193,7 @@ class LLMEngine:
 
     def _run_loop(self) -> None:
         while not self._stopping.is_set():
-            if not (self._ready.is_set() and self.executor.is_alive()) and not self._start_worker():
+            if not self.executor.is_alive() and not self._start_worker():
                 self._stopping.wait(RESTART_BACKOFF_S)
                 continue
             plan = self.scheduler.schedule(timeout=1.0)
@@ -210,19 +209,19 @@ class LLMEngine:
     def _start_worker(self) -> bool:
         try:
             self.info = self.executor.start()
+            self.load_error = None
+            return True
         except EngineError as exc:
             self.load_error = str(exc)
             logger.error("model worker failed to start: %s", exc)
-            if self.executor.info is None:  # never loaded once: no point retrying a broken model
-                self._ready.set()
+            if self.info is None:  # it never loaded: retrying a broken model would only loop
                 self._stopping.set()
                 self.scheduler.fail_all(exc)
             return False
-        self.load_error = None
-        self._ready.set()
-        return True
+        finally:
+            self._first_start_done.set()
 
     def _on_worker_failure(self, exc: EngineError) -> None:
+        """The executor has already killed the worker; the loop forks a new one before the next step."""
         logger.error("model worker failed: %s; failing running requests and restarting it", exc)
-        self._ready.clear()
         self.scheduler.fail_running(exc if isinstance(exc, WorkerFailed) else WorkerFailed(str(exc)))

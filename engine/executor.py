@@ -36,6 +36,7 @@ class ModelExecutor:
         self._round_trip_lock = threading.Lock()
         self._call_ids = itertools.count(1)
         self._process = None
+        self._is_loaded = False
         self._task_queue = None
         self._result_queue = None
         self.after_put_hook = None  # tests: widen the put→get window, as in the original race demo
@@ -45,7 +46,8 @@ class ModelExecutor:
         return self._process.pid if self._process else None
 
     def is_alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        """True when a worker has loaded its model and still runs."""
+        return self._is_loaded and self._process is not None and self._process.is_alive()
 
     def start(self) -> ModelInfo:
         """Fork the worker and wait until it has loaded the model."""
@@ -58,7 +60,7 @@ class ModelExecutor:
             if isinstance(ready, WorkerFailure):
                 self._kill()
                 raise WorkerFailed(f"the model worker could not load {self.model_path}: {ready.message}")
-            self.info = ready.info
+            self.info, self._is_loaded = ready.info, True
             logger.info("model worker %d ready: %s", self._process.pid, ready.info)
             return ready.info
 
@@ -70,23 +72,35 @@ class ModelExecutor:
 
     def call(self, task: Task, timeout: float | None = None) -> Result:
         """The only round-trip to the worker: put a task, take its result, check the correlation id."""
-        with self._round_trip_lock:
-            if not self.is_alive():
-                raise WorkerFailed("the model worker is not running")
-            call_id = next(self._call_ids)
-            task = dataclasses.replace(task, call_id=call_id)
-            self._task_queue.put(task, timeout=self.config.step_timeout_s)
-            if self.after_put_hook:
-                self.after_put_hook()
-            result = self._get_result(timeout or self.config.step_timeout_s, type(task).__name__)
-            if result.call_id != call_id:
-                self._kill()
-                raise CorrelationMismatch(
-                    f"call {call_id} ({type(task).__name__}) received the result of call {result.call_id}")
-            if isinstance(result, WorkerFailure):
-                self._kill()
-                raise WorkerFailed(f"the model worker failed: {result.message}")
-            return result
+        timeout = timeout or self.config.step_timeout_s
+        if not self._round_trip_lock.acquire(timeout=timeout):
+            raise WorkerFailed(f"the model worker stayed busy for {timeout:.0f} s")
+        try:
+            return self._round_trip(task, timeout)
+        finally:
+            self._round_trip_lock.release()
+
+    def _round_trip(self, task: Task, timeout: float) -> Result:
+        if not self.is_alive():
+            raise WorkerFailed("the model worker is not running")
+        call_id = next(self._call_ids)
+        task = dataclasses.replace(task, call_id=call_id)
+        try:
+            self._task_queue.put(task, timeout=timeout)
+        except queue.Full:
+            self._kill()
+            raise WorkerFailed("the model worker stopped taking tasks") from None
+        if self.after_put_hook:
+            self.after_put_hook()
+        result = self._get_result(timeout, type(task).__name__)
+        if result.call_id != call_id:
+            self._kill()
+            raise CorrelationMismatch(
+                f"call {call_id} ({type(task).__name__}) received the result of call {result.call_id}")
+        if isinstance(result, WorkerFailure):
+            self._kill()
+            raise WorkerFailed(f"the model worker failed: {result.message}")
+        return result
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._round_trip_lock:
@@ -134,4 +148,4 @@ class ModelExecutor:
         for q in (self._task_queue, self._result_queue):
             q.close()
             q.cancel_join_thread()
-        self._process = None
+        self._process, self._is_loaded = None, False

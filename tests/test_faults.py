@@ -1,5 +1,4 @@
 """Fault injection on the real worker: the original race, a killed worker, a hung worker, a wrong answer."""
-import contextlib
 import os
 import random
 import signal
@@ -14,6 +13,16 @@ from engine.messages import EchoResult, EchoTask
 
 PROMPTS = ["Hi", "Tell me a story about dragons.", "1, 2, 3,", "The weather today is"]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+class NoLock:
+    """What the original design had around its round-trip: nothing."""
+
+    def acquire(self, timeout=None):
+        return True
+
+    def release(self):
+        pass
 
 
 def jitter():
@@ -34,11 +43,11 @@ def hammer_echo(executor, thread_index: int, num_calls: int, swaps: list, errors
             swaps.append((payload, answer))
 
 
-def test_without_the_mutex_callers_take_each_others_results(make_engine, tiny_model_dir):
+def test_without_the_mutex_callers_take_each_others_results(make_engine, tiny_model_dir, monkeypatch):
     """Reproduce the original race: concurrent put/get on one queue pair with no lock."""
     engine = make_engine(tiny_model_dir)
     executor = engine.executor
-    executor._round_trip_lock = contextlib.nullcontext()  # the original design: nothing serializes callers
+    monkeypatch.setattr(executor, "_round_trip_lock", NoLock())  # undone before the engine shuts down
     executor.after_put_hook = jitter
     swaps, errors = [], []
     # Unlocked, a caller may also find the queues closed under it once another caller killed the worker.
@@ -92,7 +101,7 @@ def wait_for_restart(engine, timeout=60):
     deadline = time.monotonic() + timeout
     while not engine.check_worker(timeout=5):
         assert time.monotonic() < deadline, "the worker was not restarted"
-        engine._ready.wait(0.2)
+        time.sleep(0.2)
 
 
 def test_killed_worker_fails_in_flight_requests_then_recovers(make_engine, tiny_model_dir):
