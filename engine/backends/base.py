@@ -12,7 +12,7 @@ class Backend(ABC):
              finished_ids: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
         """Free `finished_ids`, add `new_requests`, and return the new token ids of every active request."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing that outlives the process
         """Release the model before the worker exits."""
 
 
