@@ -8,7 +8,6 @@ and prefills the new requests (one forward), then merges their cache rows into t
 """
 import inspect
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ class Row:
 
 class HFBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
-        torch.set_num_threads(config.threads or os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads)
         self.device = torch.device(resolve_device(config.device))
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.dtype])
         self.model.to(self.device).eval()
