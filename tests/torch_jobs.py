@@ -31,11 +31,12 @@ def build_tiny_model(target: str, architecture: str, tokenizer_dir: str) -> str:
     torch.manual_seed(0)
     if architecture == "llama":
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, **common)
+                             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                             tie_word_embeddings=False, **common)
         model = LlamaForCausalLM(config)
     else:
         config = OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                           max_position_embeddings=256, word_embed_proj_dim=64, **common)
+                           max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.2, **common)
         model = OPTForCausalLM(config)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)

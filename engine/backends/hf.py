@@ -67,7 +67,9 @@ class HFBackend(Backend):
         ones = torch.ones_like(input_ids)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)  # [B, T+1]
         logits = self._forward(input_ids, self.attention_mask, position_ids, self.cache)  # [B, V]
-        return {row.request_id: (self._advance(row, logits[i]),) for i, row in enumerate(self.rows)}
+        for row in self.rows:
+            row.num_tokens += 1  # the token just fed is in the cache now
+        return {row.request_id: (self._sample(row, logits[i]),) for i, row in enumerate(self.rows)}
 
     def _prefill(self, requests: tuple[NewRequest, ...]) -> dict[str, tuple[int]]:
         input_ids, attention_mask = self._left_pad([r.prompt_token_ids for r in requests])  # [N, S]
@@ -76,7 +78,7 @@ class HFBackend(Backend):
         logits = self._forward(input_ids, attention_mask, position_ids, cache)  # [N, V]
         rows = [Row(r.request_id, TokenSampler(r.sampling, self.device), len(r.prompt_token_ids), 0)
                 for r in requests]
-        new_token_ids = {row.request_id: (self._advance(row, logits[i]),) for i, row in enumerate(rows)}
+        new_token_ids = {row.request_id: (self._sample(row, logits[i]),) for i, row in enumerate(rows)}
         self._merge(rows, cache, attention_mask)
         return new_token_ids
 
@@ -87,11 +89,10 @@ class HFBackend(Backend):
         return out.logits[:, -1, :]
 
     @staticmethod
-    def _advance(row: Row, logits: torch.Tensor) -> int:
-        token_id = row.sampler(logits)
-        row.last_token_id = token_id
-        row.num_tokens += 1
-        return token_id
+    def _sample(row: Row, logits: torch.Tensor) -> int:
+        """Pick the row's next token; the next decode feeds it at position `row.num_tokens`."""
+        row.last_token_id = row.sampler(logits)
+        return row.last_token_id
 
     def _left_pad(self, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         length = max(len(p) for p in prompts)
