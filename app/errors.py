@@ -4,22 +4,21 @@ import logging
 from flask import jsonify
 from werkzeug.exceptions import HTTPException
 
-from engine.errors import (BackendUnavailable, EngineError, InvalidRequest, NotReady, Overloaded, PromptTooLong,
+from engine.errors import (BackendUnavailable, EngineError, InvalidRequest, NotReady, Overloaded, WorkerBusy,
                            WorkerFailed)
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 
-# status, OpenAI error type
+# status, OpenAI error type; the first matching class wins
 _STATUS = [
-    (PromptTooLong, 422, "invalid_request_error"),
     (InvalidRequest, 422, "invalid_request_error"),
     (Overloaded, 429, "rate_limit_error"),
     (NotReady, 503, "server_error"),
     (WorkerFailed, 503, "server_error"),
+    (WorkerBusy, 503, "server_error"),
     (BackendUnavailable, 503, "server_error"),
-    (EngineError, 500, "server_error"),
 ]
 
 
@@ -33,10 +32,8 @@ class ApiError(Exception):
 
 
 def from_engine_error(exc: EngineError) -> ApiError:
-    for cls, status, type_ in _STATUS:
-        if isinstance(exc, cls):
-            return ApiError(status, str(exc), exc.code, getattr(exc, "param", None), type_)
-    raise TypeError(exc)
+    status, type_ = next(((s, t) for cls, s, t in _STATUS if isinstance(exc, cls)), (500, "server_error"))
+    return ApiError(status, str(exc), exc.code, getattr(exc, "param", None), type_)
 
 
 def error_response(error: ApiError):

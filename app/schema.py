@@ -27,6 +27,9 @@ def parse_json_object(raw: bytes | str) -> dict:
         raise ApiError(400, "the body is not valid UTF-8", "invalid_utf8") from None
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc.msg} at position {exc.pos}", "invalid_json") from None
+    except (ValueError, RecursionError):  # an integer of thousands of digits; nesting deeper than the parser
+        raise ApiError(400, "the body is JSON that this server will not read (too deep or a huge number)",
+                       "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     return body

@@ -81,7 +81,7 @@ class LLMEngine:
         logger.info("backend %s (%s)", *self.backend_choice)
         model_path = resolve_model(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.executor = ModelExecutor(self.config, model_path, self.backend_choice)
+        self.executor = ModelExecutor(self.config, model_path, self.backend_choice[0])
         self._loop_thread = threading.Thread(target=self._run_loop, name="lockstep-scheduler", daemon=True)
         self._loop_thread.start()
         if wait and not self._first_start_done.wait(self.config.load_timeout_s):
@@ -99,24 +99,25 @@ class LLMEngine:
         if drain_timeout > 0 and not self.scheduler.wait_idle(drain_timeout):
             logger.warning("shutdown: requests still running after %.0f s; aborting them", drain_timeout)
         self._stopping.set()
-        self.scheduler.fail_all(NotReady("the server is shutting down"))
         self.scheduler.close()
+        self.scheduler.fail_all(NotReady("the server is shutting down"))
+        if self.executor:
+            self.executor.shutdown()  # kills a worker stuck in a load or a step, which frees the loop thread
         if self._loop_thread:
             self._loop_thread.join(self.config.step_timeout_s)
-        if self.executor:
-            self.executor.shutdown()
         logger.info("engine stopped")
 
     @property
     def is_ready(self) -> bool:
         return self.executor is not None and self.executor.is_alive()
 
-    def check_worker(self, timeout: float = 5.0) -> bool:
-        """A real round-trip through the mutex: True only if the worker answers."""
+    def check_worker(self, wait: float = 5.0) -> bool:
+        """A real round-trip through the mutex: True only if the worker answers. Waits at most `wait` for a
+        running step; only a worker that then fails to answer within the step timeout counts as hung."""
         if not self.is_ready:
             return False
         try:
-            return self.executor.echo("ready?", timeout) == "ready?"
+            return self.executor.echo("ready?", lock_timeout=wait) == "ready?"
         except EngineError:
             return False
 
@@ -126,10 +127,10 @@ class LLMEngine:
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks."""
-        if not self._accepting or self._stopping.is_set():
+        if not self._accepting:
             raise NotReady("the server is shutting down")
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
-            raise NotReady("the model is still loading; retry shortly")
+            raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
         sampling.validate(self.config.max_stop_strings)
         token_ids = prompt_token_ids or self.encode(prompt=prompt, messages=messages)
@@ -198,17 +199,24 @@ class LLMEngine:
             if not self.executor.is_alive() and not self._start_worker():
                 self._stopping.wait(RESTART_BACKOFF_S)
                 continue
-            plan = self.scheduler.schedule(timeout=1.0)
-            if plan is None:
-                continue
             try:
-                result = self.executor.step(plan.new_requests, plan.finished_ids)
+                self._step()
             except EngineError as exc:
                 self._on_worker_failure(exc)
-                continue
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug: fail, reset, go on
+                logger.exception("scheduler step failed")
+                self.executor.shutdown(timeout=0.0)  # its KV cache no longer matches our bookkeeping
+                self._on_worker_failure(WorkerFailed(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule(timeout=1.0)
+        if plan is not None:
+            result = self.executor.step(plan.new_requests, plan.finished_ids)
             self.scheduler.postprocess(result.new_token_ids)
 
     def _start_worker(self) -> bool:
+        if self.info is not None:  # a restart: whatever the dead worker was computing is lost
+            self.scheduler.fail_running(WorkerFailed("the model worker died between steps"))
         try:
             self.info = self.executor.start()
             self.load_error = None
@@ -218,7 +226,7 @@ class LLMEngine:
             logger.error("model worker failed to start: %s", exc)
             if self.info is None:  # it never loaded: retrying a broken model would only loop
                 self._stopping.set()
-                self.scheduler.fail_all(exc)
+            self.scheduler.fail_all(exc)  # nobody should wait on a worker that cannot start
             return False
         finally:
             self._first_start_done.set()

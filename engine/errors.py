@@ -39,6 +39,12 @@ class WorkerFailed(EngineError):
     code = "worker_failed"
 
 
+class WorkerBusy(EngineError):
+    """Another round-trip held the worker longer than a caller was willing to wait (the worker is fine)."""
+
+    code = "worker_busy"
+
+
 class CorrelationMismatch(EngineError):
     """A worker result answered another call: a broken round-trip invariant, never a silent swap."""
 

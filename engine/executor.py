@@ -16,7 +16,7 @@ import threading
 import time
 
 from .config import EngineConfig
-from .errors import CorrelationMismatch, WorkerFailed
+from .errors import CorrelationMismatch, WorkerBusy, WorkerFailed
 from .messages import (EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
                        StepTask, Task, WorkerFailure)
 from . import worker
@@ -27,11 +27,10 @@ LIVENESS_CHECK_S = 0.2  # how often a blocked `get` looks at whether the worker 
 
 
 class ModelExecutor:
-    def __init__(self, config: EngineConfig, model_path: str, backend_choice: tuple[str, str] = ("hf", "")):
+    def __init__(self, config: EngineConfig, model_path: str, backend: str = "hf"):
         self.config = config
         self.model_path = model_path
-        self.backend_choice = backend_choice
-        self.info: ModelInfo | None = None
+        self.backend = backend
         self._context = multiprocessing.get_context("fork")
         self._round_trip_lock = threading.Lock()
         self._call_ids = itertools.count(1)
@@ -60,21 +59,25 @@ class ModelExecutor:
             if isinstance(ready, WorkerFailure):
                 self._kill()
                 raise WorkerFailed(f"the model worker could not load {self.model_path}: {ready.message}")
-            self.info, self._is_loaded = ready.info, True
+            self._is_loaded = True
             logger.info("model worker %d ready: %s", self._process.pid, ready.info)
             return ready.info
 
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepResult:
         return self.call(StepTask(0, new_requests, finished_ids))
 
-    def echo(self, payload: str, timeout: float | None = None) -> str:
-        return self.call(EchoTask(0, payload), timeout).payload
+    def echo(self, payload: str, timeout: float | None = None, lock_timeout: float | None = None) -> str:
+        return self.call(EchoTask(0, payload), timeout, lock_timeout).payload
 
-    def call(self, task: Task, timeout: float | None = None) -> Result:
-        """The only round-trip to the worker: put a task, take its result, check the correlation id."""
+    def call(self, task: Task, timeout: float | None = None, lock_timeout: float | None = None) -> Result:
+        """The only round-trip to the worker: put a task, take its result, check the correlation id.
+
+        `timeout` bounds the worker's answer (past it the worker counts as hung and is killed);
+        `lock_timeout` bounds the wait for another caller's round-trip (past it: WorkerBusy, no kill)."""
         timeout = timeout or self.config.step_timeout_s
-        if not self._round_trip_lock.acquire(timeout=timeout):
-            raise WorkerFailed(f"the model worker stayed busy for {timeout:.0f} s")
+        lock_timeout = lock_timeout or timeout
+        if not self._round_trip_lock.acquire(timeout=lock_timeout):
+            raise WorkerBusy(f"the model worker stayed busy for {lock_timeout:.0f} s")
         try:
             return self._round_trip(task, timeout)
         finally:
@@ -103,7 +106,15 @@ class ModelExecutor:
         return result
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._round_trip_lock:
+        """Ask the worker to exit; if a load or step holds the worker past `timeout`, kill it instead
+        (its caller then sees the death and raises WorkerFailed)."""
+        if not self._round_trip_lock.acquire(timeout=timeout):
+            process = self._process
+            if process is not None:
+                logger.warning("model worker busy at shutdown; killing it")
+                process.kill()
+            return
+        try:
             if self.is_alive():
                 try:
                     self._task_queue.put(ShutdownTask(), timeout=1.0)
@@ -111,13 +122,15 @@ class ModelExecutor:
                 except queue.Full:
                     logger.warning("model worker did not take the shutdown task")
             self._kill()
+        finally:
+            self._round_trip_lock.release()
 
     def _fork_worker(self):
         # A fork must not copy tokenizers' thread pool: its locks would be held forever in the child.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         process = self._context.Process(
             target=worker.run_worker, name="lockstep-model-worker", daemon=True,
-            args=(self.config, self.model_path, self.backend_choice, self._task_queue, self._result_queue))
+            args=(self.config, self.model_path, self.backend, self._task_queue, self._result_queue))
         process.start()
         logger.info("forked model worker %d for %s", process.pid, self.model_path)
         return process

@@ -64,7 +64,6 @@ class ModelInfo:
     device: str
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    backend_reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -82,14 +82,15 @@ def _number(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(f"{name} must be a number", name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidRequest(f"{name} is out of range", name) from None
 
 
-def _stop_strings(value) -> tuple[str, ...]:
+def _stop_strings(value) -> str | list[str]:
     if value is None:
         return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        return value  # __post_init__ makes it a tuple
     raise InvalidRequest("stop must be a string or a list of strings", "stop")

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .errors import EngineError, Overloaded
+from .errors import EngineError, NotReady, Overloaded
 from .messages import FinishReason, NewRequest
 from .sequence import Sequence, SequenceStatus
 
@@ -55,6 +55,8 @@ class WorkloadManager:
 
     def add(self, seq: Sequence) -> None:
         with self._lock:
+            if self._is_closed:
+                raise NotReady("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
             if seq.request_id in self.sequences:

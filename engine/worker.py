@@ -18,12 +18,11 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0
 
 
-def run_worker(config: EngineConfig, model_path: str, backend_choice: tuple[str, str],
-               task_queue, result_queue) -> None:
+def run_worker(config: EngineConfig, model_path: str, backend_name: str, task_queue, result_queue) -> None:
     parent_pid = os.getppid()
     reset_inherited_signals()
     try:
-        backend = load_backend(config, model_path, *backend_choice)
+        backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
         logger.exception("model worker failed to load %s", model_path)
         result_queue.put(WorkerFailure(0, f"{type(exc).__name__}: {exc}"))
@@ -64,7 +63,7 @@ def handle_task(backend, task: Task):
     return WorkerFailure(task.call_id, f"unknown task {type(task).__name__}")
 
 
-def load_backend(config: EngineConfig, model_path: str, backend: str, reason: str):
+def load_backend(config: EngineConfig, model_path: str, backend_name: str):
     from .backends import create_backend  # the backends import torch: only ever in the child
 
-    return create_backend(config, model_path, backend, reason)
+    return create_backend(config, model_path, backend_name)

@@ -28,12 +28,14 @@ def _parse(raw: bytes, headers):
 class WsClient:
     def __init__(self, url: str, timeout: float = 60, **options):
         self.ws = websocket.create_connection(url, timeout=timeout, **options)
+        self.received: list[dict] = []  # every message, in arrival order
 
     def send(self, message):
         self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
 
     def recv(self) -> dict:
-        return json.loads(self.ws.recv())
+        self.received.append(json.loads(self.ws.recv()))
+        return self.received[-1]
 
     def generate(self, request_id: str, **fields):
         self.send({"type": "generate", "id": request_id, **fields})

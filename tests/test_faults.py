@@ -99,7 +99,7 @@ def test_with_the_mutex_every_caller_gets_its_own_result(make_engine, tiny_model
 
 def wait_for_restart(engine, timeout=60):
     deadline = time.monotonic() + timeout
-    while not engine.check_worker(timeout=5):
+    while not engine.check_worker(wait=5):
         assert time.monotonic() < deadline, "the worker was not restarted"
         time.sleep(0.2)
 
@@ -143,3 +143,39 @@ def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, 
         engine.executor.echo("lie")
     wait_for_restart(engine)
     assert engine.executor.echo("truth") == "truth"
+
+
+def test_a_worker_dying_between_steps_fails_its_requests(make_engine, tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir)
+    real_postprocess = engine.scheduler.postprocess
+    killed = []
+
+    def kill_after_this_step(new_token_ids):
+        real_postprocess(new_token_ids)
+        if not killed:  # the worker dies while the parent is between two round-trips
+            killed.append(engine.executor.pid)
+            os.kill(killed[0], signal.SIGKILL)
+            engine.executor._process.join(10)
+
+    monkeypatch.setattr(engine.scheduler, "postprocess", kill_after_this_step)
+    output = engine.submit("Hello", SamplingParams(max_tokens=50, ignore_eos=True)).result(timeout=60)
+    assert output.finish_reason is FinishReason.ERROR and "between steps" in output.error
+    assert engine.generate(["Hi"], SamplingParams(max_tokens=3))[0].finish_reason is FinishReason.LENGTH
+    assert engine.executor.pid != killed[0]
+
+
+def test_the_scheduler_loop_survives_a_bug(make_engine, tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir)
+    real_postprocess = engine.scheduler.postprocess
+    raised = []
+
+    def buggy_postprocess(new_token_ids):
+        if not raised:
+            raised.append(True)
+            raise IndexError("a bug in postprocess")
+        real_postprocess(new_token_ids)
+
+    monkeypatch.setattr(engine.scheduler, "postprocess", buggy_postprocess)
+    output = engine.submit("Hello", SamplingParams(max_tokens=20, ignore_eos=True)).result(timeout=60)
+    assert output.finish_reason is FinishReason.ERROR and "IndexError" in output.error
+    assert engine.generate(["Hi"], SamplingParams(max_tokens=3))[0].finish_reason is FinishReason.LENGTH

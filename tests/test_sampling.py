@@ -48,6 +48,12 @@ def test_greedy_and_seeded_sampling():
     assert len({sampler(logits) for _ in range(50)}) > 1  # a real draw, not argmax
 
 
+def test_a_tiny_temperature_acts_greedy_instead_of_overflowing():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 30
+    sampler = TokenSampler(WorkerSampling(1e-40, seed=1), torch.device("cpu"))
+    assert sampler(logits) == int(logits.argmax())
+
+
 @pytest.mark.parametrize("message", [
     StepTask(1, (NewRequest("r", (1, 2), WorkerSampling(0.5, 0.9, 3, 4, 5)),), ("x",)), EchoTask(2, "p"),
     ShutdownTask(), StepResult(1, {"r": (5,)}), EchoResult(2, "p"), WorkerFailure(3, "boom"),

@@ -9,7 +9,7 @@ from .conftest import start_live_server
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    live = start_live_server(tiny_model_dir, ServerSettings(max_prompts=4, max_body_bytes=4096), max_queue=16)
+    live = start_live_server(tiny_model_dir, ServerSettings(max_prompts=4, max_body_bytes=16384), max_queue=16)
     yield live
     live.stop()
 
@@ -77,6 +77,7 @@ def test_metrics_after_traffic(server):
     ("/basic_generate", {"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
     ("/basic_generate", {"prompt": "x", "max_tokens": 100000}, 422, "max_tokens"),
     ("/basic_generate", {"prompt": "x", "temperature": -1}, 422, "temperature"),
+    ("/basic_generate", {"prompt": "x", "temperature": 10 ** 400}, 422, "temperature"),
     ("/basic_generate", {"prompt": "x", "top_p": 0}, 422, "top_p"),
     ("/basic_generate", {"prompt": "x", "top_p": 1.01}, 422, "top_p"),
     ("/basic_generate", {"prompt": "x", "top_k": -2}, 422, "top_k"),
@@ -100,7 +101,9 @@ def test_bad_fields_get_an_openai_error_naming_the_field(server, path, body, sta
     (b'"a string"', "application/json", 400, "invalid_json"),
     (b'{"prompt": "\xff\xfe"}', "application/json", 400, "invalid_utf8"),
     (b'{"prompt": "x"}', "text/plain", 400, "invalid_content_type"),
-    (b'{"prompt": "' + b"x" * 5000 + b'"}', "application/json", 413, "request_entity_too_large"),
+    (b"[" * 3000 + b"]" * 3000, "application/json", 400, "invalid_json"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "application/json", 400, "invalid_json"),
+    (b'{"prompt": "' + b"x" * 20000 + b'"}', "application/json", 413, "request_entity_too_large"),
 ])
 def test_unreadable_bodies(server, raw, content_type, status, code):
     got, _, answer = post(server, "/basic_generate", raw, content_type=content_type)

@@ -1,6 +1,8 @@
 """Backend choice (in the parent, without touching CUDA) and construction (in the worker)."""
 import importlib.util
 import os
+import subprocess
+import sys
 
 from ..config import EngineConfig
 from ..errors import BackendUnavailable
@@ -17,25 +19,42 @@ def is_vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_import_error() -> str | None:
+    """Why `import vllm` fails, or None. Tried in a child: importing it here could initialize CUDA
+    before the fork, and a broken install (say, a CUDA-only torchvision beside it) must not be picked."""
+    done = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
 def choose_backend(config: EngineConfig) -> tuple[str, str]:
-    """Return (backend, reason). Raise BackendUnavailable when `vllm` is asked for but missing."""
+    """Return (backend, reason). Raise BackendUnavailable when `vllm` is asked for but cannot run."""
     if config.backend == "hf":
         return "hf", "configured: hf"
     if config.backend == "vllm":
         if not is_vllm_installed():
             raise BackendUnavailable(f"backend 'vllm' was requested but vLLM is not installed; {VLLM_INSTALL_HINT}")
+        if error := vllm_import_error():
+            raise BackendUnavailable(f"backend 'vllm' was requested but `import vllm` fails ({error}); "
+                                     f"reinstall it with `make vllm`")
         return "vllm", "configured: vllm"
-    if is_vllm_installed() and has_cuda_device():
-        return "vllm", "auto: vLLM is installed and a CUDA device is present"
-    why = "vLLM is not installed" if not is_vllm_installed() else "no CUDA device"
-    return "hf", f"auto: transformers, because {why}"
+    if not is_vllm_installed():
+        return "hf", "auto: transformers, because vLLM is not installed"
+    if not has_cuda_device():
+        return "hf", "auto: transformers, because no CUDA device"
+    if error := vllm_import_error():
+        return "hf", f"auto: transformers, because `import vllm` fails ({error})"
+    return "vllm", "auto: vLLM is installed and a CUDA device is present"
 
 
-def create_backend(config: EngineConfig, model_path: str, backend: str, reason: str):
+def create_backend(config: EngineConfig, model_path: str, backend: str):
     if backend == "vllm":
         from .vllm import VLLMBackend
 
-        return VLLMBackend(config, model_path, reason)
+        return VLLMBackend(config, model_path)
     from .hf import HFBackend
 
-    return HFBackend(config, model_path, reason)
+    return HFBackend(config, model_path)

@@ -34,7 +34,7 @@ class Row:
 
 
 class HFBackend(Backend):
-    def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
+    def __init__(self, config: EngineConfig, model_path: str):
         torch.set_num_threads(config.num_threads)
         self.device = torch.device(resolve_device(config.device))
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.dtype])
@@ -46,7 +46,7 @@ class HFBackend(Backend):
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
-            eos_token_ids=_eos_token_ids(self.model), backend_reason=backend_reason)
+            eos_token_ids=_eos_token_ids(self.model))
         logger.info("transformers backend: %s on %s, %d threads", self.info.dtype, self.device,
                     torch.get_num_threads())
 

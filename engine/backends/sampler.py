@@ -7,8 +7,8 @@ from ..messages import WorkerSampling
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    # logits: [V] float32
-    logits = logits / temperature
+    # logits: [V] float32. Shifting the max to 0 first keeps a tiny temperature from overflowing to inf/NaN.
+    logits = (logits - logits.max()) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 class VLLMBackend(Backend):
-    def __init__(self, config: EngineConfig, model_path: str, backend_reason: str = ""):
+    def __init__(self, config: EngineConfig, model_path: str):
         device = resolve_device(config.device)
         _set_environment(config.cache_dir, device)
         _forget_web_context_proxies()
@@ -32,7 +32,7 @@ class VLLMBackend(Backend):
         self.info = ModelInfo(
             model=model_path, backend="vllm", dtype=str(model_config.dtype).removeprefix("torch."),
             device=device, max_model_len=model_config.max_model_len,
-            eos_token_ids=_eos_token_ids(self.llm), backend_reason=backend_reason)
+            eos_token_ids=_eos_token_ids(self.llm))
         logger.info("vLLM backend: %s on %s, max_model_len %d", self.info.dtype, device,
                     self.info.max_model_len)
 
