@@ -205,7 +205,7 @@ class LLMEngine:
                 self._on_worker_failure(exc)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug: fail, reset, go on
                 logger.exception("scheduler step failed")
-                self.executor.shutdown(timeout=0.0)  # its KV cache no longer matches our bookkeeping
+                self.executor.discard_worker()  # its KV cache no longer matches our bookkeeping
                 self._on_worker_failure(WorkerFailed(f"internal error: {type(exc).__name__}: {exc}"))
 
     def _step(self) -> None:

@@ -36,6 +36,7 @@ class ModelExecutor:
         self._call_ids = itertools.count(1)
         self._process = None
         self._is_loaded = False
+        self._is_closed = False  # after shutdown, never fork again
         self._task_queue = None
         self._result_queue = None
         self.after_put_hook = None  # tests: widen the put→get window, as in the original race demo
@@ -51,10 +52,15 @@ class ModelExecutor:
     def start(self) -> ModelInfo:
         """Fork the worker and wait until it has loaded the model."""
         with self._round_trip_lock:
+            if self._is_closed:
+                raise WorkerFailed("the executor is shut down")
             self._kill()
             self._task_queue = self._context.Queue(maxsize=4)
             self._result_queue = self._context.Queue(maxsize=4)
-            self._process = self._fork_worker()
+            try:
+                self._process = self._fork_worker()
+            except OSError as exc:  # out of processes or memory: a clear failure the engine retries
+                raise WorkerFailed(f"cannot fork the model worker: {exc}") from exc
             ready = self._get_result(self.config.load_timeout_s, "loading the model")
             if isinstance(ready, WorkerFailure):
                 self._kill()
@@ -105,9 +111,15 @@ class ModelExecutor:
             raise WorkerFailed(f"the model worker failed: {result.message}")
         return result
 
+    def discard_worker(self) -> None:
+        """Kill the worker whose state can no longer be trusted; `start` forks a fresh one."""
+        with self._round_trip_lock:
+            self._kill()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; if a load or step holds the worker past `timeout`, kill it instead
         (its caller then sees the death and raises WorkerFailed)."""
+        self._is_closed = True
         if not self._round_trip_lock.acquire(timeout=timeout):
             process = self._process
             if process is not None:

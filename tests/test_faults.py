@@ -24,6 +24,12 @@ class NoLock:
     def release(self):
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
 
 def jitter():
     """The original demo's trick: widen the window between a caller's put and its get."""
