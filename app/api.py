@@ -6,7 +6,7 @@ from flask import Blueprint, g, jsonify
 
 from engine import FinishReason, RequestOutput
 
-from .errors import ApiError
+from .errors import ApiError, from_failed_output
 from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
 from .state import lockstep
 
@@ -89,8 +89,7 @@ def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
     g.completion_tokens = sum(o.usage.completion_tokens for o in outputs)
     for output in outputs:
         if output.finish_reason is FinishReason.ERROR:
-            raise ApiError(503, output.error or "generation failed", output.error_code or "worker_failed",
-                           type_="server_error")
+            raise from_failed_output(output)
     return outputs
 
 

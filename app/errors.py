@@ -36,6 +36,12 @@ def from_engine_error(exc: EngineError) -> ApiError:
     return ApiError(status, str(exc), exc.code, getattr(exc, "param", None), type_)
 
 
+def from_failed_output(output) -> ApiError:
+    """A request the engine finished with `error` (worker failure, shutdown): the same error on REST and WS."""
+    return ApiError(503, output.error or "generation failed", output.error_code or "worker_failed",
+                    type_="server_error")
+
+
 def error_response(error: ApiError):
     body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
     response = jsonify(body)

@@ -18,7 +18,7 @@ from simple_websocket import ConnectionClosed
 from engine import EngineError, FinishReason, RequestOutput
 from engine.sequence import DeltaEvent
 
-from .errors import ApiError, from_engine_error, ws_error
+from .errors import ApiError, from_engine_error, from_failed_output, ws_error
 from .schema import messages_field, parse_json_object, prompt_field, sampling_fields
 from .state import AppState, lockstep
 
@@ -136,8 +136,7 @@ class SocketSession:
         client_id = self.client_ids.pop(output.request_id, None)
         self.request_ids.pop(client_id, None)
         if output.finish_reason is FinishReason.ERROR:
-            self._send({"type": "error", "id": client_id, "code": output.error_code or "worker_failed",
-                        "message": output.error or "generation failed"})
+            self._send(ws_error(client_id, from_failed_output(output)))
         else:
             self._send({"type": "done", "id": client_id, "finish_reason": output.finish_reason.value,
                         "usage": output.usage.as_dict(), "timing": output.timings.as_dict()})

@@ -95,7 +95,7 @@ class LLMEngine:
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop accepting, let running requests finish for up to `drain_timeout`, abort the rest, stop all."""
-        self._accepting = False
+        self.stop_accepting()
         if drain_timeout > 0 and not self.scheduler.wait_idle(drain_timeout):
             logger.warning("shutdown: requests still running after %.0f s; aborting them", drain_timeout)
         self._stopping.set()

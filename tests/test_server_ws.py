@@ -127,3 +127,17 @@ def test_cross_site_socket_is_refused(server):
     with pytest.raises(websocket.WebSocketBadStatusException) as info:
         websocket.create_connection(server.ws_url, origin="http://evil.test", timeout=10)
     assert info.value.status_code == 403
+
+
+def test_worker_failure_is_an_error_frame_and_the_next_request_works(server, client):
+    import os
+    import signal
+
+    client.generate("doomed", prompt="Hello", max_tokens=250, ignore_eos=True)
+    assert client.recv()["type"] == "start"
+    assert client.recv()["type"] == "delta"
+    os.kill(server.state.engine.executor.pid, signal.SIGKILL)
+    final = client.collect(["doomed"])["doomed"]["final"]
+    assert final["type"] == "error" and final["code"] == "worker_failed" and "died" in final["message"]
+    client.generate("after", prompt="Hi", max_tokens=3, ignore_eos=True)
+    assert client.collect(["after"])["after"]["final"]["finish_reason"] == "length"
