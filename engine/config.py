@@ -21,7 +21,8 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "auto"
     max_batch_size: int = 8
-    max_queue: int = 64
+    max_queue: int = 256
+    max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
     policy: str = "continuous"
     threads: int = 0  # torch threads in the worker; 0 = all cores but one (see `num_threads`)
     max_model_len: int = 0  # 0 = the model's own context length
@@ -29,6 +30,8 @@ class EngineConfig:
     max_stop_strings: int = 8
     load_timeout_s: float = 600.0
     step_timeout_s: float = 120.0
+    request_timeout_s: float = 600.0  # a request's deadline (a request may ask for less, never more)
+    prefill_chunk_tokens: int = 256  # prompt tokens per step: bounds the gap a long prompt puts in every stream
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
     tensor_parallel_size: int = 1
@@ -41,13 +44,14 @@ class EngineConfig:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
-        for name in ("max_batch_size", "max_queue", "default_max_tokens", "max_stop_strings",
-                     "tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("max_batch_size", "max_queue", "max_queue_per_client", "default_max_tokens",
+                     "max_stop_strings", "prefill_chunk_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.threads < 0 or self.max_model_len < 0:
             raise ValueError("threads and max_model_len must be >= 0")
-        if self.load_timeout_s <= 0 or self.step_timeout_s <= 0:
+        if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
+                                                  self.request_timeout_s)):
             raise ValueError("timeouts must be positive")
 
     @property

@@ -55,3 +55,15 @@ class BackendUnavailable(EngineError):
     """The requested backend cannot run here (e.g. vLLM is not installed)."""
 
     code = "backend_unavailable"
+
+
+class DeadlineExceeded(EngineError):
+    """The request ran past its deadline (the server's `request_timeout_s` or the request's own `timeout`)."""
+
+    code = "deadline_exceeded"
+
+
+class RequestFailed(EngineError):
+    """The worker could not compute this one request (the batch and the worker went on)."""
+
+    code = "request_failed"

@@ -40,6 +40,8 @@ class ModelExecutor:
         self._task_queue = None
         self._result_queue = None
         self.after_put_hook = None  # tests: widen the put→get window, as in the original race demo
+        self._last_answer_time = float("-inf")  # time.monotonic() of the last result the worker sent
+        self._call_started: float | None = None  # when the round-trip in flight began
 
     @property
     def pid(self) -> int | None:
@@ -48,6 +50,14 @@ class ModelExecutor:
     def is_alive(self) -> bool:
         """True when a worker has loaded its model and still runs."""
         return self._is_loaded and self._process is not None and self._process.is_alive()
+
+    def seconds_since_answer(self) -> float:
+        return time.monotonic() - self._last_answer_time
+
+    def is_in_step_time(self) -> bool:
+        """A round-trip is in flight and not yet overdue: the worker is busy, not hung."""
+        started = self._call_started
+        return started is not None and time.monotonic() - started < self.config.step_timeout_s
 
     def start(self) -> ModelInfo:
         """Fork the worker and wait until it has loaded the model."""
@@ -84,9 +94,11 @@ class ModelExecutor:
         lock_timeout = lock_timeout or timeout
         if not self._round_trip_lock.acquire(timeout=lock_timeout):
             raise WorkerBusy(f"the model worker stayed busy for {lock_timeout:.0f} s")
+        self._call_started = time.monotonic()
         try:
             return self._round_trip(task, timeout)
         finally:
+            self._call_started = None
             self._round_trip_lock.release()
 
     def _round_trip(self, task: Task, timeout: float) -> Result:
@@ -152,9 +164,12 @@ class ModelExecutor:
         process, results = self._process, self._result_queue
         while True:
             try:
-                return results.get(timeout=LIVENESS_CHECK_S)
+                result = results.get(timeout=LIVENESS_CHECK_S)
             except queue.Empty:
                 pass
+            else:
+                self._last_answer_time = time.monotonic()
+                return result
             if not process.is_alive():
                 code = process.exitcode
                 self._kill()

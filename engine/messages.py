@@ -73,11 +73,18 @@ class WorkerReady:
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """New token ids per request (a backend may give none for a request during chunked prefill)."""
+class StepOutput:
+    """What a backend's step produced: new token ids per request (none for a request still in chunked
+    prefill), and the requests it could not compute, with why (the worker dropped their state)."""
 
-    call_id: int
     new_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    call_id: int
+    output: StepOutput = field(default_factory=StepOutput)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ from .messages import WorkerSampling
 
 MAX_STOP_LENGTH = 200
 MAX_SEED = 2**63 - 1
+# Below these, sampling is greedy in all but name (and float32 would round the value to 0): treat it as such,
+# as vLLM does for temperature.
+GREEDY_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,10 @@ class SamplingParams:
             raise InvalidRequest("seed must be between 0 and 2**63-1", "seed")
 
     def for_worker(self, max_tokens: int) -> WorkerSampling:
+        """Normalised for the worker: a tiny temperature or top_p means greedy."""
+        is_greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < MIN_TOP_P or self.top_k == 1
+        if is_greedy:
+            return WorkerSampling(0.0, 1.0, 0, self.seed, max_tokens, self.ignore_eos)
         return WorkerSampling(self.temperature, self.top_p, self.top_k, self.seed, max_tokens, self.ignore_eos)
 
 

@@ -2,15 +2,23 @@
 
 Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks
 while there is nothing to do) and `postprocess`. One lock guards all of it.
+
+Fairness: each client (an address, a socket) may hold at most `max_queue_per_client`
+waiting requests, and a free slot goes to the waiting request whose client has the fewest
+running, oldest first; so one client that keeps the queue full cannot lock the others out.
+Deadlines: a request past its deadline fails with deadline_exceeded, waiting or running.
 """
+import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
-from .errors import EngineError, NotReady, Overloaded
-from .messages import FinishReason, NewRequest
+from .errors import DeadlineExceeded, EngineError, NotReady, Overloaded, RequestFailed
+from .messages import FinishReason, NewRequest, StepOutput
 from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,10 +39,11 @@ class RequestObserver:
 
 class WorkloadManager:
     def __init__(self, max_batch_size: int = 8, max_queue: int = 64, policy: str = "continuous",
-                 observer: RequestObserver | None = None):
+                 observer: RequestObserver | None = None, max_queue_per_client: int | None = None):
         self.observer = observer or RequestObserver()
         self.max_batch_size = 1 if policy == "none" else max_batch_size
         self.max_queue = max_queue
+        self.max_queue_per_client = max_queue_per_client or max_queue
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -59,6 +68,9 @@ class WorkloadManager:
                 raise NotReady("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
+            if sum(s.client_id == seq.client_id for s in self.waiting) >= self.max_queue_per_client:
+                raise Overloaded(f"this client already has {self.max_queue_per_client} waiting requests; "
+                                 "wait for some to finish")
             if seq.request_id in self.sequences:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self.waiting.append(seq)
@@ -82,9 +94,11 @@ class WorkloadManager:
     def schedule(self, timeout: float | None = None) -> StepPlan | None:
         """Block until there is a step to run (or `timeout`/close); admit new requests by policy."""
         with self._lock:
-            if not self._has_work.wait_for(lambda: self._is_closed or self._needs_step(), timeout):
-                return None
+            self._has_work.wait_for(lambda: self._is_closed or self._needs_step(), timeout)
             if self._is_closed:
+                return None
+            self._expire(time.monotonic())  # also on a timeout: a waiting request's deadline passes while idle
+            if not self._needs_step():
                 return None
             for seq in [s for s in self.running if s.is_abort_requested]:
                 self._finish(seq, FinishReason.ABORT)
@@ -93,16 +107,27 @@ class WorkloadManager:
             self.finished_ids.clear()
             return plan
 
-    def postprocess(self, new_token_ids: dict[str, tuple[int, ...]]) -> None:
+    def postprocess(self, output: StepOutput) -> None:
         now = time.monotonic()
         with self._lock:
             for seq in list(self.running):
-                for token_id in new_token_ids.get(seq.request_id, ()):
-                    self.observer.on_token(seq, now, seq.last_token_time)
-                    reason = seq.append_token(token_id, now)
-                    if reason is not None:
-                        self._finish(seq, reason)
-                        break
+                if seq.request_id in output.failed:
+                    self._finish(seq, FinishReason.ERROR, RequestFailed(
+                        f"the model could not compute this request ({output.failed[seq.request_id]})"))
+                    continue
+                try:
+                    self._append_tokens(seq, output.new_token_ids.get(seq.request_id, ()), now)
+                except Exception as exc:  # noqa: BLE001 - one request's text handling fails it alone
+                    logger.exception("postprocessing %s failed", seq.request_id)
+                    self._finish(seq, FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
+
+    def _append_tokens(self, seq: Sequence, token_ids: tuple[int, ...], now: float) -> None:
+        for token_id in token_ids:
+            self.observer.on_token(seq, now, seq.last_token_time)
+            reason = seq.append_token(token_id, now)
+            if reason is not None:
+                self._finish(seq, reason)
+                return
 
     def fail_running(self, error: EngineError) -> None:
         """The worker is gone: fail what it was computing; waiting requests wait for the next worker."""
@@ -129,6 +154,17 @@ class WorkloadManager:
     def _needs_step(self) -> bool:
         return bool(self.running or self.finished_ids or (self.waiting and self._can_admit()))
 
+    def next_deadline(self) -> float:
+        with self._lock:
+            return min((s.deadline for s in self.sequences.values()), default=float("inf"))
+
+    def _expire(self, now: float) -> None:
+        for seq in [s for s in self.sequences.values() if s.deadline <= now]:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            self._finish(seq, FinishReason.ERROR, DeadlineExceeded(
+                f"the request did not finish within its deadline ({seq.num_output_tokens} tokens generated)"))
+
     def _can_admit(self) -> bool:
         if self.policy == "continuous":
             return len(self.running) < self.max_batch_size
@@ -140,17 +176,22 @@ class WorkloadManager:
         admitted = []
         now = time.monotonic()
         while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting.popleft()
+            seq = self._fairest_waiting()
+            self.waiting.remove(seq)
             seq.status, seq.scheduled_time = SequenceStatus.RUNNING, now
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
+    def _fairest_waiting(self) -> Sequence:
+        """The oldest waiting request of the client with the fewest running requests."""
+        running_per_client = Counter(s.client_id for s in self.running)
+        return min(self.waiting, key=lambda s: (running_per_client[s.client_id], s.arrival_time))
+
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            if reason is not FinishReason.ERROR:
-                self.finished_ids.append(seq.request_id)
+            self.finished_ids.append(seq.request_id)  # the worker frees its state (after a crash: cleared)
         del self.sequences[seq.request_id]
         self.observer.on_finish(seq, seq.finish(reason, error))
         if not self.sequences:

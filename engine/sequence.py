@@ -68,6 +68,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     sink: "queue.Queue"
     eos_token_ids: frozenset[int] = frozenset()
+    client_id: str = ""  # who asked: admission is fair across clients
+    deadline: float = float("inf")  # time.monotonic() past which the request fails with deadline_exceeded
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     is_abort_requested: bool = False

@@ -4,23 +4,27 @@ The model is loaded here, after the fork, so the parent never touches CUDA or ru
 torch op. The loop blocks on the task queue; it exits on ShutdownTask or when the parent
 is gone (so a killed server never leaves an orphan holding the model).
 """
+import ctypes
 import logging
 import os
 import queue
 import signal
+import stat
 
-from .config import EngineConfig
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
 
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
+PR_SET_PDEATHSIG = 1
 
 
-def run_worker(config: EngineConfig, model_path: str, backend_name: str, task_queue, result_queue) -> None:
+def run_worker(config, model_path: str, backend_name: str, task_queue, result_queue) -> None:
     parent_pid = os.getppid()
-    reset_inherited_signals()
+    close_inherited_sockets()
+    ignore_stop_signals()
+    die_with_parent(parent_pid)
     try:
         backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
@@ -42,15 +46,47 @@ def run_worker(config: EngineConfig, model_path: str, backend_name: str, task_qu
         result_queue.put(handle_task(backend, task))
 
 
-def reset_inherited_signals() -> None:
-    """Drop handlers copied from the parent (gunicorn's, say): Ctrl-C is the server's to handle, not ours."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for signum in (signal.SIGTERM, signal.SIGQUIT, signal.SIGUSR1, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
+def ignore_stop_signals() -> None:
+    """A process-group SIGTERM (systemd, `kill -- -PGID`) or Ctrl-C is for the server: it drains, then stops us
+    with a ShutdownTask (or SIGKILL). Handlers copied from the parent (gunicorn's) are dropped too."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                   signal.SIGWINCH):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the thread that forked us (the engine's scheduler thread) ends, so not
+    even a long step outlives a killed server."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the loop's parent check still ends us within a second
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def close_inherited_sockets() -> None:
+    """The fork copied every socket of the HTTP side (gunicorn's listener, open client connections): close
+    them, or this process keeps the port bound and half-closed clients hanging. Our queues are pipes."""
+    for fd in _open_fds():
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)  # a plain close: shutdown() would cut the connection for the parent too
+        except OSError:  # already closed (the listing itself held one fd)
+            continue
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except FileNotFoundError:
+        return []
 
 
 def handle_task(backend, task: Task):
-    """Run one task; a failure is reported with the task's call id and the parent restarts us."""
+    """Run one task; a failure of the whole step is reported with the task's call id and the parent
+    restarts us (a failure of one request is part of the StepOutput instead)."""
     try:
         match task:
             case StepTask(call_id, new_requests, finished_ids):
@@ -63,7 +99,7 @@ def handle_task(backend, task: Task):
     return WorkerFailure(task.call_id, f"unknown task {type(task).__name__}")
 
 
-def load_backend(config: EngineConfig, model_path: str, backend_name: str):
+def load_backend(config, model_path: str, backend_name: str):
     from .backends import create_backend  # the backends import torch: only ever in the child
 
     return create_backend(config, model_path, backend_name)

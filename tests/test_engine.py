@@ -106,7 +106,7 @@ def test_cancel_aborts_and_frees_the_slot_at_the_next_step(make_engine, tiny_mod
     assert engine.scheduler.num_running == 0
     # The worker frees its KV cache with the next scheduler step; after it, a bare step decodes nothing.
     deadline = time.monotonic() + 10
-    while engine.executor.step((), ()).new_token_ids:
+    while engine.executor.step((), ()).output.new_token_ids:
         assert time.monotonic() < deadline, "the worker kept the cancelled request"
 
 

@@ -156,8 +156,8 @@ def test_a_worker_dying_between_steps_fails_its_requests(make_engine, tiny_model
     real_postprocess = engine.scheduler.postprocess
     killed = []
 
-    def kill_after_this_step(new_token_ids):
-        real_postprocess(new_token_ids)
+    def kill_after_this_step(output):
+        real_postprocess(output)
         if not killed:  # the worker dies while the parent is between two round-trips
             killed.append(engine.executor.pid)
             os.kill(killed[0], signal.SIGKILL)
@@ -175,11 +175,11 @@ def test_the_scheduler_loop_survives_a_bug(make_engine, tiny_model_dir, monkeypa
     real_postprocess = engine.scheduler.postprocess
     raised = []
 
-    def buggy_postprocess(new_token_ids):
+    def buggy_postprocess(output):
         if not raised:
             raised.append(True)
             raise IndexError("a bug in postprocess")
-        real_postprocess(new_token_ids)
+        real_postprocess(output)
 
     monkeypatch.setattr(engine.scheduler, "postprocess", buggy_postprocess)
     output = engine.submit("Hello", SamplingParams(max_tokens=20, ignore_eos=True)).result(timeout=60)

@@ -6,8 +6,8 @@ import torch
 
 from engine import InvalidRequest, SamplingParams
 from engine.backends.sampler import TokenSampler, keep_top_p, logits_to_probs
-from engine.messages import (EchoResult, EchoTask, ModelInfo, NewRequest, ShutdownTask, StepResult, StepTask,
-                             WorkerFailure, WorkerReady, WorkerSampling)
+from engine.messages import (EchoResult, EchoTask, ModelInfo, NewRequest, ShutdownTask, StepOutput, StepResult,
+                             StepTask, WorkerFailure, WorkerReady, WorkerSampling)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -56,7 +56,7 @@ def test_a_tiny_temperature_acts_greedy_instead_of_overflowing():
 
 @pytest.mark.parametrize("message", [
     StepTask(1, (NewRequest("r", (1, 2), WorkerSampling(0.5, 0.9, 3, 4, 5)),), ("x",)), EchoTask(2, "p"),
-    ShutdownTask(), StepResult(1, {"r": (5,)}), EchoResult(2, "p"), WorkerFailure(3, "boom"),
+    ShutdownTask(), StepResult(1, StepOutput({"r": (5,)}, {"q": "boom"})), EchoResult(2, "p"), WorkerFailure(3, "boom"),
     WorkerReady(ModelInfo("m", "hf", "bfloat16", "cpu", 2048, (2,))),
 ])
 def test_every_message_survives_pickling(message):

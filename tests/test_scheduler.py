@@ -5,7 +5,7 @@ import pytest
 
 from engine import FinishReason, Overloaded
 from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import WorkerSampling
+from engine.messages import StepOutput, WorkerSampling
 from engine.scheduler import WorkloadManager
 from engine.sequence import RequestOutput, Sequence
 
@@ -25,7 +25,7 @@ def make_seq(request_id: str, max_tokens: int = 3) -> Sequence:
 def run_step(manager: WorkloadManager, token: int = 120):
     """What the engine loop does, with a worker that answers `token` for every running request."""
     plan = manager.schedule(timeout=0)
-    manager.postprocess({seq.request_id: (token,) for seq in manager.running})
+    manager.postprocess(StepOutput({seq.request_id: (token,) for seq in manager.running}))
     return plan
 
 
@@ -90,8 +90,8 @@ def test_eos_and_length_finish_reasons_and_usage():
     manager.add(eos)
     manager.add(length)
     manager.schedule(timeout=0)
-    manager.postprocess({"eos": (72,), "len": (72,)})
-    manager.postprocess({"eos": (0,), "len": (73,)})
+    manager.postprocess(StepOutput({"eos": (72,), "len": (72,)}))
+    manager.postprocess(StepOutput({"eos": (0,), "len": (73,)}))
     assert outputs(eos).finish_reason is FinishReason.STOP
     out = outputs(length)
     assert out.finish_reason is FinishReason.LENGTH

@@ -1,7 +1,7 @@
 """The worker-side backend interface: what the forked worker runs, whichever library computes."""
 from abc import ABC, abstractmethod
 
-from ..messages import ModelInfo, NewRequest
+from ..messages import ModelInfo, NewRequest, StepOutput
 
 
 class Backend(ABC):
@@ -9,8 +9,9 @@ class Backend(ABC):
 
     @abstractmethod
     def step(self, new_requests: tuple[NewRequest, ...],
-             finished_ids: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-        """Free `finished_ids`, add `new_requests`, and return the new token ids of every active request."""
+             finished_ids: tuple[str, ...]) -> StepOutput:
+        """Free `finished_ids`, add `new_requests`, and return the new token ids of every active request and
+        the requests that failed alone (the backend has already dropped them)."""
 
     def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing that outlives the process
         """Release the model before the worker exits."""

@@ -1,20 +1,28 @@
 """Hugging Face transformers backend: a KV-cached, left-padded batch that requests join and leave.
 
-The batch keeps one DynamicCache whose rows are the running requests, left-padded to a
+The batch keeps one DynamicCache whose rows are the decoding requests, left-padded to a
 common length with an attention mask that hides the padding; each row carries its own
 position ids, so a short prompt batched with a long one computes exactly what it would
-alone. A step frees finished rows, decodes one token for every running row (one forward)
-and prefills the new requests (one forward), then merges their cache rows into the batch.
+alone. A step frees finished rows, decodes one token for every decoding row (one forward),
+then spends a bounded budget of prompt tokens on chunked prefill: each new request is
+prefilled alone into a cache of its own (never padded to another prompt's length), a
+chunk per forward, and joins the batch with its first token when its prompt is done. So a
+7,500-token prompt costs every running stream one chunk per step, not one long stall.
+
+A failure that belongs to one request (its sampler, its prefill) drops that request and is
+reported in the StepOutput; the batch goes on. Only a failure of the shared decode forward
+fails the step.
 """
 import inspect
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
-from ..messages import ModelInfo, NewRequest
+from ..messages import ModelInfo, NewRequest, StepOutput
 from .base import Backend, resolve_device
 from .sampler import TokenSampler
 
@@ -23,6 +31,8 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "auto": torch.bfloat16}
 DEFAULT_CONTEXT = 2048
+# What can go wrong for one request without saying anything about the others (a bad value, a bad shape).
+REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
 
 
 @dataclass
@@ -33,6 +43,20 @@ class Row:
     last_token_id: int
 
 
+@dataclass
+class Prefill:
+    """A new request whose prompt is being fed, chunk by chunk, into a cache of its own."""
+
+    request: NewRequest
+    sampler: TokenSampler
+    cache: DynamicCache
+    num_computed: int = 0
+
+    @property
+    def num_left(self) -> int:
+        return len(self.request.prompt_token_ids) - self.num_computed
+
+
 class HFBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str):
         torch.set_num_threads(config.num_threads)
@@ -40,47 +64,89 @@ class HFBackend(Backend):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.dtype])
         self.model.to(self.device).eval()
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.rows: list[Row] = []
         self.cache: DynamicCache | None = None
         self.attention_mask: torch.Tensor | None = None  # [B, T]
+        self.prefills: deque[Prefill] = deque()
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
             eos_token_ids=_eos_token_ids(self.model))
-        logger.info("transformers backend: %s on %s, %d threads", self.info.dtype, self.device,
-                    torch.get_num_threads())
+        logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens", self.info.dtype,
+                    self.device, torch.get_num_threads(), self.prefill_chunk_tokens)
 
     @torch.inference_mode()
-    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> dict:
+    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
+        failed: dict[str, str] = {}
         self._free(set(finished_ids))
-        new_token_ids = self._decode() if self.rows else {}
-        if new_requests:
-            new_token_ids.update(self._prefill(new_requests))
-        return new_token_ids
+        for request in new_requests:
+            self._queue_prefill(request, failed)
+        new_token_ids = self._decode(failed) if self.rows else {}
+        new_token_ids.update(self._prefill_chunks(failed))
+        return StepOutput(new_token_ids, failed)
 
     def close(self) -> None:
-        self._free({row.request_id for row in self.rows})
+        self._free({row.request_id for row in self.rows} | {p.request.request_id for p in self.prefills})
 
-    def _decode(self) -> dict[str, tuple[int]]:
+    def _queue_prefill(self, request: NewRequest, failed: dict[str, str]) -> None:
+        try:
+            sampler = TokenSampler(request.sampling, self.device)
+        except REQUEST_ERRORS as exc:
+            failed[request.request_id] = _describe(exc)
+            return
+        self.prefills.append(Prefill(request, sampler, DynamicCache()))
+
+    def _decode(self, failed: dict[str, str]) -> dict[str, tuple[int]]:
         input_ids = torch.tensor([[row.last_token_id] for row in self.rows], device=self.device)  # [B, 1]
         position_ids = torch.tensor([[row.num_tokens] for row in self.rows], device=self.device)  # [B, 1]
         ones = torch.ones_like(input_ids)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)  # [B, T+1]
         logits = self._forward(input_ids, self.attention_mask, position_ids, self.cache)  # [B, V]
-        for row in self.rows:
+        new_token_ids = {}
+        for i, row in enumerate(self.rows):
             row.num_tokens += 1  # the token just fed is in the cache now
-        return {row.request_id: (self._sample(row, logits[i]),) for i, row in enumerate(self.rows)}
-
-    def _prefill(self, requests: tuple[NewRequest, ...]) -> dict[str, tuple[int]]:
-        input_ids, attention_mask = self._left_pad([r.prompt_token_ids for r in requests])  # [N, S]
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)  # [N, V]
-        rows = [Row(r.request_id, TokenSampler(r.sampling, self.device), len(r.prompt_token_ids), 0)
-                for r in requests]
-        new_token_ids = {row.request_id: (self._sample(row, logits[i]),) for i, row in enumerate(rows)}
-        self._merge(rows, cache, attention_mask)
+            if (token_id := self._sample(row.request_id, row.sampler, logits[i], failed)) is not None:
+                row.last_token_id = token_id
+                new_token_ids[row.request_id] = (token_id,)
+        self._free(set(failed))
         return new_token_ids
+
+    def _prefill_chunks(self, failed: dict[str, str]) -> dict[str, tuple[int]]:
+        """Feed at most `prefill_chunk_tokens` prompt tokens, oldest request first; finished prompts join."""
+        budget, first_token_ids = self.prefill_chunk_tokens, {}
+        while self.prefills and budget > 0:
+            prefill = self.prefills[0]
+            num_tokens = min(budget, prefill.num_left)
+            budget -= num_tokens
+            try:
+                logits = self._prefill_chunk(prefill, num_tokens)
+            except REQUEST_ERRORS as exc:
+                logger.exception("prefill of %s failed", prefill.request.request_id)
+                failed[prefill.request.request_id] = _describe(exc)
+                self.prefills.popleft()
+                continue
+            if prefill.num_left == 0:
+                self.prefills.popleft()
+                request_id = prefill.request.request_id
+                if (token_id := self._sample(request_id, prefill.sampler, logits, failed)) is not None:
+                    first_token_ids[request_id] = (token_id,)
+                    self._join_batch(prefill, token_id)
+        return first_token_ids
+
+    def _prefill_chunk(self, prefill: Prefill, num_tokens: int) -> torch.Tensor:
+        start, end = prefill.num_computed, prefill.num_computed + num_tokens
+        input_ids = torch.tensor([prefill.request.prompt_token_ids[start:end]], device=self.device)  # [1, C]
+        position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, C]
+        attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
+        logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache)  # [1, V]
+        prefill.num_computed = end
+        return logits[0]
+
+    def _join_batch(self, prefill: Prefill, first_token_id: int) -> None:
+        row = Row(prefill.request.request_id, prefill.sampler, prefill.num_computed, first_token_id)
+        mask = torch.ones((1, prefill.num_computed), dtype=torch.long, device=self.device)
+        self._merge([row], prefill.cache, mask)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         extra = {"logits_to_keep": 1} if self.accepts_logits_to_keep else {}
@@ -89,19 +155,15 @@ class HFBackend(Backend):
         return out.logits[:, -1, :]
 
     @staticmethod
-    def _sample(row: Row, logits: torch.Tensor) -> int:
-        """Pick the row's next token; the next decode feeds it at position `row.num_tokens`."""
-        row.last_token_id = row.sampler(logits)
-        return row.last_token_id
-
-    def _left_pad(self, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        length = max(len(p) for p in prompts)
-        input_ids = torch.zeros((len(prompts), length), dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, length - len(prompt):] = torch.tensor(prompt)
-            attention_mask[i, length - len(prompt):] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
+    def _sample(request_id: str, sampler: TokenSampler, logits: torch.Tensor,
+                failed: dict[str, str]) -> int | None:
+        """The request's next token, or None (and an entry in `failed`) if its sampling raised."""
+        try:
+            return sampler(logits)
+        except REQUEST_ERRORS as exc:
+            logger.exception("sampling for %s failed", request_id)
+            failed[request_id] = _describe(exc)
+            return None
 
     def _merge(self, rows: list[Row], cache: DynamicCache, attention_mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the batch, left-padding whichever side is shorter."""
@@ -120,6 +182,9 @@ class HFBackend(Backend):
         self.rows = self.rows + rows
 
     def _free(self, finished_ids: set[str]) -> None:
+        if not finished_ids:
+            return
+        self.prefills = deque(p for p in self.prefills if p.request.request_id not in finished_ids)
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in finished_ids]
         if len(keep) == len(self.rows):
             return
@@ -134,6 +199,10 @@ class HFBackend(Backend):
                                                   for k, v in _kv(self.cache)])
         self.attention_mask = mask[:, start:]
         self.rows = [self.rows[i] for i in keep]
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -21,7 +21,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 def keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # always keeps the top token
+    outside = mass_before >= top_p
+    outside[0] = False  # the top token always stays, even for a top_p that rounds to 0 in float32
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum()
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..messages import ModelInfo, NewRequest, WorkerSampling
+from ..messages import ModelInfo, NewRequest, StepOutput, WorkerSampling
 from .base import Backend, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -36,13 +36,18 @@ class VLLMBackend(Backend):
         logger.info("vLLM backend: %s on %s, max_model_len %d", self.info.dtype, device,
                     self.info.max_model_len)
 
-    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> dict:
+    def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
+        failed: dict[str, str] = {}
         self._abort(finished_ids)
         for request in new_requests:
-            self._add(request)
+            try:
+                self._add(request)
+            except (ValueError, TypeError) as exc:  # vLLM refused this one request (its params, its length)
+                logger.warning("vLLM refused %s: %s", request.request_id, exc)
+                failed[request.request_id] = f"{type(exc).__name__}: {exc}"
         if not self.engine.has_unfinished_requests():
-            return {}
-        return self._collect(self.engine.step())
+            return StepOutput(failed=failed)
+        return StepOutput(self._collect(self.engine.step()), failed)
 
     def close(self) -> None:
         if self.engine is None:
