@@ -8,6 +8,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 
 from .backends import choose_backend
@@ -24,6 +25,8 @@ from .sequence import DeltaEvent, RequestOutput, Sequence
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 1.0
+EVENT_WAIT_S = 1.0  # how often a waiting caller checks that the scheduler thread still runs
+READY_WINDOW_S = 10.0  # a round-trip answered this recently proves the worker alive without a probe
 
 
 class RequestHandle:
@@ -37,19 +40,32 @@ class RequestHandle:
 
     def __iter__(self):
         while self._output is None:
-            event = self._events.get()
+            event = self._next_event(EVENT_WAIT_S)
             if isinstance(event, DeltaEvent):
                 yield event.text
-            else:
+            elif isinstance(event, RequestOutput):
                 self._output = event
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        """Wait for the end of the request (deltas not yet read are skipped)."""
+        """Wait for the end of the request (deltas not yet read are skipped); queue.Empty after `timeout`."""
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         while self._output is None:
-            event = self._events.get(timeout=timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            event = self._next_event(min(left, EVENT_WAIT_S))
             if isinstance(event, RequestOutput):
                 self._output = event
         return self._output
+
+    def _next_event(self, timeout: float):
+        """The next event, or None after `timeout`; raises WorkerFailed if nothing can ever come."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            if not self.engine.is_scheduling:
+                raise WorkerFailed("the engine's scheduler stopped") from None
+            return None
 
     def cancel(self) -> bool:
         return self.engine.cancel(self.request_id)
@@ -59,7 +75,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, observer: RequestObserver | None = None):
         self.config = config or EngineConfig()
         self.scheduler = WorkloadManager(self.config.max_batch_size, self.config.max_queue, self.config.policy,
-                                         observer)
+                                         observer, self.config.max_queue_per_client)
         self.tokenizer = None
         self.executor: ModelExecutor | None = None
         self.info: ModelInfo | None = None
@@ -111,6 +127,28 @@ class LLMEngine:
     def is_ready(self) -> bool:
         return self.executor is not None and self.executor.is_alive()
 
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def is_scheduling(self) -> bool:
+        """The scheduler thread runs (or has not been started yet)."""
+        return self._loop_thread is None or self._loop_thread.is_alive()
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): accepting requests, and the worker answered a round-trip recently or is busy with a
+        step that is not yet overdue (a long step is work, not a hang)."""
+        if not self._accepting:
+            return False, "the server is draining"
+        if not self.is_scheduling:
+            return False, "the engine's scheduler stopped"
+        if self.info is None or not self.is_ready:
+            return False, self.load_error or "the model worker is loading or restarting"
+        if self.executor.seconds_since_answer() < READY_WINDOW_S or self.executor.is_in_step_time():
+            return True, "ready"
+        return (True, "ready") if self.check_worker(wait=1.0) else (False, "the model worker does not answer")
+
     def check_worker(self, wait: float = 5.0) -> bool:
         """A real round-trip through the mutex: True only if the worker answers. Waits at most `wait` for a
         running step; only a worker that then fails to answer within the step timeout counts as hung."""
@@ -125,10 +163,15 @@ class LLMEngine:
 
     def submit(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
-               request_id: str | None = None, sink: queue.Queue | None = None) -> RequestHandle:
-        """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks."""
+               request_id: str | None = None, sink: queue.Queue | None = None, client_id: str = "",
+               timeout_s: float | None = None) -> RequestHandle:
+        """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks.
+
+        `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline."""
         if not self._accepting:
             raise NotReady("the server is shutting down")
+        if not self.is_scheduling:
+            raise NotReady("the engine's scheduler stopped")
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
@@ -138,7 +181,8 @@ class LLMEngine:
         sink = sink if sink is not None else queue.Queue()
         seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
                        IncrementalDetokenizer(self.tokenizer, sampling.stop), sink,
-                       frozenset() if sampling.ignore_eos else self._eos_token_ids())
+                       frozenset() if sampling.ignore_eos else self._eos_token_ids(), client_id,
+                       time.monotonic() + self._timeout(timeout_s))
         self.scheduler.add(seq)
         return RequestHandle(self, request_id, sink)
 
@@ -186,6 +230,13 @@ class LLMEngine:
                                 "tokens and at least one must be left to generate", "prompt")
         return min(sampling.max_tokens or self.config.default_max_tokens, room)
 
+    def _timeout(self, timeout_s: float | None) -> float:
+        if timeout_s is None:
+            return self.config.request_timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise InvalidRequest("timeout must be a positive number of seconds", "timeout")
+        return min(timeout_s, self.config.request_timeout_s)
+
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.info.eos_token_ids if self.info else ())
         if self.tokenizer.eos_token_id is not None:
@@ -195,24 +246,34 @@ class LLMEngine:
     # -- the scheduler thread ------------------------------------------------------------------------------
 
     def _run_loop(self) -> None:
-        while not self._stopping.is_set():
+        try:
+            while not self._stopping.is_set():
+                self._run_once()
+        except BaseException as exc:  # noqa: BLE001 - nothing may leave callers waiting on a dead thread
+            logger.critical("the scheduler thread died: %r", exc, exc_info=exc)
+            self.scheduler.close()
+            self.scheduler.fail_all(WorkerFailed(f"the engine's scheduler stopped ({type(exc).__name__})"))
+            self._first_start_done.set()
+            raise
+
+    def _run_once(self) -> None:
+        try:
             if not self.executor.is_alive() and not self._start_worker():
                 self._stopping.wait(RESTART_BACKOFF_S)
-                continue
-            try:
-                self._step()
-            except EngineError as exc:
-                self._on_worker_failure(exc)
-            except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug: fail, reset, go on
-                logger.exception("scheduler step failed")
-                self.executor.discard_worker()  # its KV cache no longer matches our bookkeeping
-                self._on_worker_failure(WorkerFailed(f"internal error: {type(exc).__name__}: {exc}"))
+                return
+            self._step()
+        except EngineError as exc:
+            self._on_worker_failure(exc)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug: fail, reset, go on
+            logger.exception("scheduler step failed")
+            self.executor.discard_worker()  # its KV cache no longer matches our bookkeeping
+            self._on_worker_failure(WorkerFailed(f"internal error: {type(exc).__name__}: {exc}"))
 
     def _step(self) -> None:
         plan = self.scheduler.schedule(timeout=1.0)
         if plan is not None:
             result = self.executor.step(plan.new_requests, plan.finished_ids)
-            self.scheduler.postprocess(result.new_token_ids)
+            self.scheduler.postprocess(result.output)
 
     def _start_worker(self) -> bool:
         if self.info is not None:  # a restart: whatever the dead worker was computing is lost
