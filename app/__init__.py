@@ -28,8 +28,7 @@ def create_app(config: dict | None = None) -> Flask:
         settings = app.config.get("SETTINGS") or ServerSettings.from_env()
     except ValueError as exc:
         raise _startup_failure(f"bad configuration: {exc}") from None
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.config["SOCK_SERVER_OPTIONS"] = ws.socket_options(settings)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1  # read_json_body refuses the extra byte
 
     metrics = ServerMetrics()
     engine = LLMEngine(engine_config, observer=metrics)

@@ -1,16 +1,29 @@
-"""REST: the original design's endpoints and an OpenAI-compatible, non-streaming subset."""
+"""REST: the original design's endpoints and an OpenAI-compatible, non-streaming subset.
+
+A REST call waits for its requests with a timeout and looks at its client's socket in between:
+a client that hung up gets its requests cancelled instead of keeping the batch busy.
+"""
+import logging
+import math
+import queue
+import select
+import socket
 import time
 import uuid
 
-from flask import Blueprint, g, jsonify
+from flask import Blueprint, g, jsonify, request
 
-from engine import FinishReason, RequestOutput
+from engine import EngineError, FinishReason, InvalidRequest, RequestHandle, RequestOutput
 
 from .errors import ApiError, from_failed_output
 from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
 from .state import lockstep
 
+logger = logging.getLogger(__name__)
+
 bp = Blueprint("api", __name__)
+
+CLIENT_CHECK_S = 0.25  # how often a waiting call looks whether its client is still connected
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint uses when max_tokens is absent
 STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
@@ -76,13 +89,83 @@ def tokenize():
 
 def _run_one(body: dict, prompt: str | None = None, messages: list | None = None) -> RequestOutput:
     engine = lockstep().engine
-    handle = engine.submit(prompt, sampling_fields(body, engine), messages=messages)
-    return _checked([handle.result()])[0]
+    sampling, timeout_s = sampling_fields(body, engine), request_timeout(body)
+    handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(), timeout_s=timeout_s)
+    return _checked(_wait_while_connected([handle]))[0]
 
 
 def _run_many(prompts: list[str], body: dict, default_max_tokens: int | None = None) -> list[RequestOutput]:
     engine = lockstep().engine
-    return _checked(engine.generate(prompts, sampling_fields(body, engine, default_max_tokens)))
+    sampling, timeout_s = sampling_fields(body, engine, default_max_tokens), request_timeout(body)
+    handles: list[RequestHandle] = []
+    try:
+        for prompt in prompts:
+            handles.append(engine.submit(prompt, sampling, client_id=client_address(), timeout_s=timeout_s))
+    except EngineError:
+        _cancel(handles)
+        raise
+    return _checked(_wait_while_connected(handles))
+
+
+def request_timeout(body: dict) -> float | None:
+    """The optional `timeout` field: seconds, a positive finite number (it can only shorten the server's)."""
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidRequest("timeout must be a positive number of seconds", "timeout")
+    return float(value)
+
+
+def client_address() -> str:
+    return request.remote_addr or ""
+
+
+class ClientGone(ApiError):
+    """The REST client closed its connection while its requests ran (nobody reads this answer; it is logged)."""
+
+    def __init__(self):
+        super().__init__(499, "the client closed the connection", "client_closed_request")
+
+
+def _wait_while_connected(handles: list[RequestHandle]) -> list[RequestOutput]:
+    """Every handle's output, in order; cancels them all if the client hangs up (or anything goes wrong)."""
+    client = request.environ.get("gunicorn.socket") or request.environ.get("werkzeug.socket")
+    try:
+        return [_wait_for(handle, client) for handle in handles]
+    except ClientGone:
+        logger.info("client %s went away; cancelled %d request(s)", client_address(), len(handles))
+        raise
+    finally:
+        _cancel(handles)  # a no-op for the finished ones
+
+
+def _wait_for(handle: RequestHandle, client: socket.socket | None) -> RequestOutput:
+    while True:
+        try:
+            return handle.result(timeout=CLIENT_CHECK_S)
+        except queue.Empty:
+            if client is not None and has_hung_up(client):
+                raise ClientGone() from None
+
+
+def has_hung_up(client: socket.socket) -> bool:
+    """True when the peer closed: the socket reads as ready and a peek returns no bytes (EOF) or fails.
+    Bytes waiting (a pipelined request) mean the client is still there."""
+    try:
+        readable, _, _ = select.select([client], [], [], 0)
+        if not readable:
+            return False
+        return client.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def _cancel(handles: list[RequestHandle]) -> None:
+    for handle in handles:
+        handle.cancel()
 
 
 def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:

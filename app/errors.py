@@ -2,14 +2,18 @@
 import logging
 
 from flask import jsonify
+from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import HTTPException
 
-from engine.errors import (BackendUnavailable, EngineError, InvalidRequest, NotReady, Overloaded, WorkerBusy,
-                           WorkerFailed)
+from engine.errors import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
+                           RequestFailed, WorkerBusy, WorkerFailed)
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+# Reading a request body: a broken connection, or chunked encoding that does not parse (werkzeug's dev server
+# raises OSError for it, gunicorn its own ParseException).
+BODY_READ_ERRORS = (OSError, GunicornParseError)
 
 # status, OpenAI error type; the first matching class wins
 _STATUS = [
@@ -19,7 +23,12 @@ _STATUS = [
     (WorkerFailed, 503, "server_error"),
     (WorkerBusy, 503, "server_error"),
     (BackendUnavailable, 503, "server_error"),
+    (DeadlineExceeded, 504, "server_error"),
+    (RequestFailed, 500, "server_error"),
 ]
+_STATUS_BY_CODE = {cls.code: status for cls, status, _ in _STATUS if cls is not InvalidRequest}
+# After these the request body may still be on the wire: closing is the only clean way to keep HTTP framing.
+CLOSE_AFTER = (408, 413)
 
 
 class ApiError(Exception):
@@ -37,9 +46,10 @@ def from_engine_error(exc: EngineError) -> ApiError:
 
 
 def from_failed_output(output) -> ApiError:
-    """A request the engine finished with `error` (worker failure, shutdown): the same error on REST and WS."""
-    return ApiError(503, output.error or "generation failed", output.error_code or "worker_failed",
-                    type_="server_error")
+    """A request the engine finished with `error` (worker failure, deadline, shutdown): the same error on REST and
+    WS, its status chosen by the output's error code."""
+    code = output.error_code or "worker_failed"
+    return ApiError(_STATUS_BY_CODE.get(code, 500), output.error or "generation failed", code, type_="server_error")
 
 
 def error_response(error: ApiError):
@@ -48,6 +58,8 @@ def error_response(error: ApiError):
     response.status_code = error.status
     if error.status in (429, 503):
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    if error.status in CLOSE_AFTER:
+        response.headers["Connection"] = "close"
     return response
 
 

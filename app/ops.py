@@ -1,4 +1,4 @@
-"""Operations: liveness, readiness (a real round-trip to the worker) and Prometheus metrics."""
+"""Operations: liveness, readiness and Prometheus metrics."""
 from flask import Blueprint, Response, jsonify
 
 from .state import lockstep
@@ -13,10 +13,15 @@ def health():
 
 @bp.get("/ready")
 def ready():
-    engine = lockstep().engine
-    if engine.check_worker():
-        return jsonify(status="ready", model=lockstep().model_name)
-    reason = engine.load_error or "the model worker is loading or restarting"
+    """200 when this instance should get traffic: accepting (not draining) and the worker answered recently
+    or is busy in a step younger than the step timeout (the engine decides, without queueing behind a step)."""
+    state = lockstep()
+    if state.is_draining:
+        is_ready, reason = False, "the server is draining (shutting down)"
+    else:
+        is_ready, reason = state.engine.readiness()
+    if is_ready:
+        return jsonify(status="ready", model=state.model_name)
     response = jsonify(status="not_ready", reason=reason)
     response.status_code = 503
     response.headers["Retry-After"] = "1"

@@ -2,21 +2,29 @@
 import dataclasses
 import json
 
-from flask import request
+from flask import current_app, request
 
 from engine import InvalidRequest, SamplingParams
 
-from .errors import ApiError
+from .errors import BODY_READ_ERRORS, ApiError
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
 
 
 def read_json_body() -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    """The request body as a JSON object, or a 400 that says what is wrong with it (413 when too large)."""
     if request.mimetype != "application/json":
         raise ApiError(400, "send a JSON body with Content-Type: application/json", "invalid_content_type")
-    return parse_json_object(request.get_data(cache=False))
+    try:
+        raw = request.get_data(cache=False)
+    except BODY_READ_ERRORS:
+        raise ApiError(400, "the request body could not be read (bad chunked encoding?)", "invalid_body") from None
+    # MAX_CONTENT_LENGTH is the limit + 1: a chunked body is read up to it, so one byte more means too large
+    # (werkzeug stops a chunked body at the limit without an error).
+    if len(raw) >= current_app.config["MAX_CONTENT_LENGTH"]:
+        raise ApiError(413, "the request body is too large", "request_entity_too_large")
+    return parse_json_object(raw)
 
 
 def parse_json_object(raw: bytes | str) -> dict:

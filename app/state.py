@@ -1,5 +1,8 @@
 """The app's one piece of state: the engine, metrics and server settings, kept in `app.extensions`."""
+import ipaddress
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -9,17 +12,25 @@ from engine import EngineConfig, LLMEngine
 
 from .metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
+
 EXTENSION_KEY = "lockstep"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
 @dataclass
 class ServerSettings:
     api_key: str = ""
     allowed_origins: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # the bind address: the default public origin, and the DNS-rebinding check
+    port: int = 8000
     max_prompts: int = 32
     max_body_bytes: int = 1 << 20
+    max_sockets: int = 256  # open WebSockets per worker; keep it well below the gthread thread budget
     ws_max_message_bytes: int = 256 << 10
     ws_ping_interval_s: float = 25.0
+    ws_idle_timeout_s: float = 300.0  # no running request and no client frame for this long: closed (1001)
+    ws_auth_timeout_s: float = 10.0  # with an API key, the first frame must be an auth frame within this
     drain_timeout_s: float = 30.0
 
     @classmethod
@@ -28,10 +39,57 @@ class ServerSettings:
         return cls(
             api_key=environ.get("LOCKSTEP_API_KEY", ""),
             allowed_origins=tuple(o.strip().rstrip("/") for o in origins.split(",") if o.strip()),
+            host=environ.get("LOCKSTEP_HOST", cls.host),
+            port=int(environ.get("LOCKSTEP_PORT", cls.port)),
             max_prompts=int(environ.get("LOCKSTEP_MAX_PROMPTS", cls.max_prompts)),
             max_body_bytes=int(environ.get("LOCKSTEP_MAX_BODY_BYTES", cls.max_body_bytes)),
+            max_sockets=int(environ.get("LOCKSTEP_MAX_SOCKETS", cls.max_sockets)),
+            ws_idle_timeout_s=float(environ.get("LOCKSTEP_WS_IDLE_TIMEOUT_S", cls.ws_idle_timeout_s)),
             drain_timeout_s=float(environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", cls.drain_timeout_s)),
         )
+
+    @property
+    def is_loopback_bind(self) -> bool:
+        return is_loopback_host(self.host)
+
+    @property
+    def public_origins(self) -> tuple[str, ...]:
+        """Origins allowed to open the socket and read REST answers: the bind address itself (for a loopback
+        bind also localhost and 127.0.0.1 at that port), plus LOCKSTEP_ALLOWED_ORIGINS. Never the Host header."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        hosts = {host, *LOOPBACK_NAMES} if self.is_loopback_bind else {host}
+        return tuple(f"http://{h}:{self.port}" for h in sorted(hosts)) + self.allowed_origins
+
+
+def is_loopback_host(host: str) -> bool:
+    """A loopback name or address (no port); `[::1]` may keep its brackets."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SocketBudget:
+    """Counts open WebSockets so that a socket beyond the cap is refused before the upgrade."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.num_open = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self._lock:
+            if self.num_open >= self.limit:
+                return False
+            self.num_open += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.num_open -= 1
 
 
 @dataclass
@@ -41,9 +99,15 @@ class AppState:
     settings: ServerSettings
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
+    sockets: SocketBudget = field(init=False)
+
+    def __post_init__(self):
+        self.sockets = SocketBudget(self.settings.max_sockets)
 
     def begin_drain(self) -> None:
-        """SIGTERM: refuse new requests, let running ones finish; idle sockets close themselves."""
+        """SIGTERM: refuse new requests (503), let running ones finish; idle sockets close themselves."""
+        if not self.is_draining:
+            logger.info("draining: new requests get 503, running ones finish")
         self.is_draining = True
         self.engine.stop_accepting()
 

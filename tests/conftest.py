@@ -1,4 +1,5 @@
 """Shared fixtures: real models (a tiny random one and the embedded SmolLM2), real engines, live servers."""
+import dataclasses
 import logging
 import threading
 
@@ -53,6 +54,8 @@ class LiveServer:
         self.app = app
         self.state = app.extensions["lockstep"]
         self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        # The app checks Host and Origin against its bind address: tell it the real one.
+        self.state.settings = dataclasses.replace(self.state.settings, host="127.0.0.1", port=self.server.server_port)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.ws_url = f"ws://127.0.0.1:{self.server.server_port}/ws"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -74,11 +74,25 @@ def test_bad_messages_get_an_error_and_the_socket_stays_usable(client, frame, co
     assert client.collect(["after"])["after"]["final"]["type"] == "done"
 
 
-def test_invalid_utf8_frame_is_an_error(client):
-    client.ws.send_binary(b'{"type": "generate", "id": "u", "prompt": "\xff\xfe"}')
-    assert client.recv()["code"] == "invalid_utf8"
-    client.generate("after", prompt="Hi", max_tokens=2)
-    assert client.collect(["after"])["after"]["final"]["type"] == "done"
+def close_code(ws: WsClient) -> int:
+    """Read until the server's close frame; its status code."""
+    while True:
+        opcode, data = ws.ws.recv_data(control_frame=True)
+        if opcode == websocket.ABNF.OPCODE_CLOSE:
+            return int.from_bytes(data[:2], "big")
+
+
+def test_binary_frame_is_closed_with_1003(server):
+    ws = WsClient(server.ws_url)
+    ws.ws.send_binary(b'{"type": "generate", "id": "u", "prompt": "hi"}')
+    assert close_code(ws) == 1003  # unsupported data
+
+
+def test_invalid_utf8_text_frame_is_closed_with_1007(server):
+    ws = WsClient(server.ws_url)
+    ws.ws.send(b'{"type": "generate", "id": "u", "prompt": "\xff\xfe"}', opcode=websocket.ABNF.OPCODE_TEXT)
+    assert close_code(ws) == 1007  # invalid frame payload data
+    assert http("GET", server.url + "/health")[0] == 200
 
 
 def test_duplicate_id_is_refused_while_running(client):
