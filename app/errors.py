@@ -3,7 +3,7 @@ import logging
 
 from flask import jsonify
 from gunicorn.http.errors import ParseException as GunicornParseError
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from engine.errors import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
                            RequestFailed, WorkerBusy, WorkerFailed)
@@ -11,9 +11,9 @@ from engine.errors import (BackendUnavailable, DeadlineExceeded, EngineError, In
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-# Reading a request body: a broken connection, or chunked encoding that does not parse (werkzeug's dev server
-# raises OSError for it, gunicorn its own ParseException).
-BODY_READ_ERRORS = (OSError, GunicornParseError)
+# Reading a request body: a broken connection, or chunked encoding that does not parse (werkzeug reports it as a
+# ClientDisconnected, gunicorn raises its own ParseException).
+BODY_READ_ERRORS = (OSError, ClientDisconnected, GunicornParseError)
 
 # status, OpenAI error type; the first matching class wins
 _STATUS = [
