@@ -31,7 +31,8 @@ class EngineConfig:
     load_timeout_s: float = 600.0
     step_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # a request's deadline (a request may ask for less, never more)
-    prefill_chunk_tokens: int = 256  # prompt tokens per step: bounds the gap a long prompt puts in every stream
+    prefill_chunk_tokens: int = 512  # most prompt tokens fed per step
+    prefill_step_target_s: float = 0.25  # beside running streams, prompt chunks sized to take about this long
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
     tensor_parallel_size: int = 1
@@ -51,7 +52,7 @@ class EngineConfig:
         if self.threads < 0 or self.max_model_len < 0:
             raise ValueError("threads and max_model_len must be >= 0")
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
-                                                  self.request_timeout_s)):
+                                                  self.request_timeout_s, self.prefill_step_target_s)):
             raise ValueError("timeouts must be positive")
 
     @property

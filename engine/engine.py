@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import EngineError, InvalidRequest, NotReady, PromptTooLong, WorkerFailed
 from .executor import ModelExecutor
+from .inputs import InputProcessor
 from .messages import ModelInfo
 from .model_store import resolve_model
 from .sampling import SamplingParams
@@ -77,6 +78,7 @@ class LLMEngine:
         self.scheduler = WorkloadManager(self.config.max_batch_size, self.config.max_queue, self.config.policy,
                                          observer, self.config.max_queue_per_client)
         self.tokenizer = None
+        self.inputs: InputProcessor | None = None
         self.executor: ModelExecutor | None = None
         self.info: ModelInfo | None = None
         self.backend_choice: tuple[str, str] | None = None
@@ -84,6 +86,7 @@ class LLMEngine:
         self._stopping = threading.Event()
         self._accepting = True
         self._loop_thread: threading.Thread | None = None
+        self._has_scheduler_died = False
         self._request_counter = itertools.count()
         self.load_error: str | None = None
 
@@ -97,6 +100,7 @@ class LLMEngine:
         logger.info("backend %s (%s)", *self.backend_choice)
         model_path = resolve_model(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.inputs = InputProcessor(self.tokenizer, lambda: self.max_model_len)
         self.executor = ModelExecutor(self.config, model_path, self.backend_choice[0])
         self._loop_thread = threading.Thread(target=self._run_loop, name="lockstep-scheduler", daemon=True)
         self._loop_thread.start()
@@ -134,7 +138,7 @@ class LLMEngine:
     @property
     def is_scheduling(self) -> bool:
         """The scheduler thread runs (or has not been started yet)."""
-        return self._loop_thread is None or self._loop_thread.is_alive()
+        return not self._has_scheduler_died and (self._loop_thread is None or self._loop_thread.is_alive())
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, why): accepting requests, and the worker answered a round-trip recently or is busy with a
@@ -202,19 +206,14 @@ class LLMEngine:
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        if messages is not None:
-            return self.apply_chat_template(messages)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("prompt must be a non-empty string", "prompt")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               prompt_token_ids: list[int] | None = None) -> list[int]:
+        """Validated prompt token ids (InvalidRequest, PromptTooLong or Overloaded otherwise)."""
+        return self.inputs.process(prompt, messages, prompt_token_ids)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise InvalidRequest("this model has no chat template; send a prompt instead", "messages")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)
-        return list(encoded["input_ids"])
+        """The chat template's markers as special tokens, each message's content as plain text."""
+        return self.inputs.encode_chat(messages)
 
     @property
     def max_model_len(self) -> int:
@@ -251,10 +250,10 @@ class LLMEngine:
                 self._run_once()
         except BaseException as exc:  # noqa: BLE001 - nothing may leave callers waiting on a dead thread
             logger.critical("the scheduler thread died: %r", exc, exc_info=exc)
+            self._has_scheduler_died = True
             self.scheduler.close()
             self.scheduler.fail_all(WorkerFailed(f"the engine's scheduler stopped ({type(exc).__name__})"))
             self._first_start_done.set()
-            raise
 
     def _run_once(self) -> None:
         try:

@@ -20,6 +20,8 @@ from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+MAX_REMEMBERED_CLIENTS = 4096
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -53,6 +55,7 @@ class WorkloadManager:
         self._has_work = threading.Condition(self._lock)
         self._is_idle = threading.Condition(self._lock)
         self._is_closed = False
+        self._last_admitted: dict[str, float] = {}  # client id -> when it last got a slot
 
     @property
     def num_waiting(self) -> int:
@@ -184,9 +187,19 @@ class WorkloadManager:
         return admitted
 
     def _fairest_waiting(self) -> Sequence:
-        """The oldest waiting request of the client with the fewest running requests."""
+        """Round-robin across clients: the client with the fewest running requests, then the one served
+        longest ago, then its oldest request."""
         running_per_client = Counter(s.client_id for s in self.running)
-        return min(self.waiting, key=lambda s: (running_per_client[s.client_id], s.arrival_time))
+        seq = min(self.waiting, key=lambda s: (running_per_client[s.client_id],
+                                               self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
+        self._remember_admission(seq.client_id)
+        return seq
+
+    def _remember_admission(self, client_id: str) -> None:
+        if len(self._last_admitted) >= MAX_REMEMBERED_CLIENTS:  # forget clients with nothing left here
+            active = {s.client_id for s in self.sequences.values()}
+            self._last_admitted = {c: t for c, t in self._last_admitted.items() if c in active}
+        self._last_admitted[client_id] = time.monotonic()
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:

@@ -4,10 +4,14 @@ The batch keeps one DynamicCache whose rows are the decoding requests, left-padd
 common length with an attention mask that hides the padding; each row carries its own
 position ids, so a short prompt batched with a long one computes exactly what it would
 alone. A step frees finished rows, decodes one token for every decoding row (one forward),
-then spends a bounded budget of prompt tokens on chunked prefill: each new request is
-prefilled alone into a cache of its own (never padded to another prompt's length), a
-chunk per forward, and joins the batch with its first token when its prompt is done. So a
-7,500-token prompt costs every running stream one chunk per step, not one long stall.
+then spends a bounded budget on chunked prefill: each new request is prefilled alone into
+a cache of its own (never padded to another prompt's length), a chunk per forward, and
+joins the batch with its first token when its prompt is done; the prompt with the fewest
+tokens left goes first. While others decode, a chunk is sized to take about
+`prefill_step_target_s`, from the measured cost of earlier chunks: a token late in a long
+prompt attends to everything before it and costs many times one early on (on CPU, about
+1 + context/500 times). So a 7,500-token prompt costs every running stream a bounded gap
+per step, not one long stall.
 
 A failure that belongs to one request (its sampler, its prefill) drops that request and is
 reported in the StepOutput; the batch goes on. Only a failure of the shared decode forward
@@ -15,6 +19,7 @@ fails the step.
 """
 import inspect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +38,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DEFAULT_CONTEXT = 2048
 # What can go wrong for one request without saying anything about the others (a bad value, a bad shape).
 REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
+ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice one at context 0 (measured, CPU)
+MIN_CHUNK_TOKENS = 16
+FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
 
 
 @dataclass
@@ -65,6 +73,8 @@ class HFBackend(Backend):
         self.model.to(self.device).eval()
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.prefill_step_target_s = config.prefill_step_target_s
+        self.seconds_per_cost_unit: float | None = None  # measured: see `_chunk_size`
         self.rows: list[Row] = []
         self.cache: DynamicCache | None = None
         self.attention_mask: torch.Tensor | None = None  # [B, T]
@@ -113,11 +123,12 @@ class HFBackend(Backend):
         return new_token_ids
 
     def _prefill_chunks(self, failed: dict[str, str]) -> dict[str, tuple[int]]:
-        """Feed at most `prefill_chunk_tokens` prompt tokens, oldest request first; finished prompts join."""
+        """Feed prompt chunks within this step's budget, fewest tokens left first; finished prompts join."""
         budget, first_token_ids = self.prefill_chunk_tokens, {}
+        self.prefills = deque(sorted(self.prefills, key=lambda p: p.num_left))
         while self.prefills and budget > 0:
             prefill = self.prefills[0]
-            num_tokens = min(budget, prefill.num_left)
+            num_tokens = min(budget, self._chunk_size(prefill))
             budget -= num_tokens
             try:
                 logits = self._prefill_chunk(prefill, num_tokens)
@@ -134,14 +145,32 @@ class HFBackend(Backend):
                     self._join_batch(prefill, token_id)
         return first_token_ids
 
+    def _chunk_size(self, prefill: Prefill) -> int:
+        """Alone, a prompt goes in the largest chunks; beside decoding rows, a chunk that takes about
+        `prefill_step_target_s`, judged by what earlier chunks cost per unit (see `_cost_units`)."""
+        if not self.rows:
+            return min(prefill.num_left, self.prefill_chunk_tokens)
+        if self.seconds_per_cost_unit is None:
+            return min(prefill.num_left, FIRST_CHUNK_TOKENS)
+        units_per_token = 1 + prefill.num_computed / ATTENTION_COST_SCALE
+        affordable = int(self.prefill_step_target_s / (self.seconds_per_cost_unit * units_per_token))
+        return min(prefill.num_left, max(MIN_CHUNK_TOKENS, affordable))
+
     def _prefill_chunk(self, prefill: Prefill, num_tokens: int) -> torch.Tensor:
         start, end = prefill.num_computed, prefill.num_computed + num_tokens
         input_ids = torch.tensor([prefill.request.prompt_token_ids[start:end]], device=self.device)  # [1, C]
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, C]
         attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
+        started = time.perf_counter()
         logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache)  # [1, V]
+        self._record_chunk_cost(time.perf_counter() - started, _cost_units(start, num_tokens))
         prefill.num_computed = end
         return logits[0]
+
+    def _record_chunk_cost(self, seconds: float, units: float) -> None:
+        measured = seconds / units
+        previous = self.seconds_per_cost_unit
+        self.seconds_per_cost_unit = measured if previous is None else 0.7 * previous + 0.3 * measured
 
     def _join_batch(self, prefill: Prefill, first_token_id: int) -> None:
         row = Row(prefill.request.request_id, prefill.sampler, prefill.num_computed, first_token_id)
@@ -199,6 +228,12 @@ class HFBackend(Backend):
                                                   for k, v in _kv(self.cache)])
         self.attention_mask = mask[:, start:]
         self.rows = [self.rows[i] for i in keep]
+
+
+def _cost_units(start: int, num_tokens: int) -> float:
+    """A chunk's cost in units of one prompt token at context 0: each token also attends to all before it."""
+    mean_context = start + num_tokens / 2
+    return num_tokens * (1 + mean_context / ATTENTION_COST_SCALE)
 
 
 def _describe(exc: Exception) -> str:
