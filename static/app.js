@@ -4,7 +4,11 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  const apiKey = new URLSearchParams(location.search).get("api_key") || "";
+  // The API key (when the server has one) lives in this tab's sessionStorage and travels only in the
+  // Authorization header and the socket's first frame: never in a URL, where logs and Referers would keep it.
+  const KEY_STORAGE = "lockstep.apiKey";
+  const apiKey = () => sessionStorage.getItem(KEY_STORAGE) || "";
+  const AUTH_CLOSE_CODE = 1008;
   const MAX_STOP_STRINGS = 8;
   const MAX_STOP_LENGTH = 200;
   const PRESETS = [
@@ -68,7 +72,8 @@
   }
 
   function authHeaders() {
-    return apiKey ? {Authorization: `Bearer ${apiKey}`} : {};
+    const key = apiKey();
+    return key ? {Authorization: `Bearer ${key}`} : {};
   }
 
   async function request(path, body) {
@@ -97,22 +102,23 @@
   function socketUrl() {
     const url = new URL("ws", document.baseURI);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
-    if (apiKey) url.searchParams.set("api_key", apiKey);
     return url;
   }
 
-  // A WebSocket that reconnects by itself (0.5 s, 1 s, 2 s ... up to 8 s) and reports its state.
+  // A WebSocket that reconnects by itself (0.5 s, 1 s, 2 s ... up to 8 s) and reports its state. Its first frame
+  // authenticates it; it counts as open once the server answers "ready".
   function connectSocket(onMessage, onState, onDrop) {
     let ws = null;
     let attempts = 0;
+    let isReady = false;
+    let timer = null;
 
     function open() {
+      timer = null;
+      isReady = false;
       onState("connecting", attempts ? "reconnecting…" : "connecting…");
       ws = new WebSocket(socketUrl());
-      ws.onopen = () => {
-        attempts = 0;
-        onState("open", "connected");
-      };
+      ws.onopen = () => ws.send(JSON.stringify({type: "auth", api_key: apiKey()}));
       ws.onmessage = (event) => {
         let message;
         try {
@@ -120,24 +126,41 @@
         } catch {
           return;
         }
-        onMessage(message);
+        if (message.type === "ready") {
+          isReady = true;
+          attempts = 0;
+          onState("open", "connected");
+        } else if (isReady) {
+          onMessage(message);
+        }
       };
-      ws.onclose = () => {
+      ws.onclose = (event) => {
         ws = null;
+        isReady = false;
         const delayMs = Math.min(8000, 500 * 2 ** attempts++);
-        onState("closed", `disconnected, retrying in ${Math.ceil(delayMs / 1000)} s`);
+        const why = event.code === AUTH_CLOSE_CODE ? "API key needed (Settings)" : "disconnected";
+        onState("closed", `${why}, retrying in ${Math.ceil(delayMs / 1000)} s`);
         onDrop();
-        setTimeout(open, delayMs);
+        timer = setTimeout(open, delayMs);
       };
     }
 
     open();
     return {
-      isOpen: () => ws !== null && ws.readyState === WebSocket.OPEN,
+      isOpen: () => ws !== null && isReady && ws.readyState === WebSocket.OPEN,
       send(message) {
         if (!this.isOpen()) return false;
         ws.send(JSON.stringify(message));
         return true;
+      },
+      reconnect() {
+        attempts = 0;
+        if (ws) {
+          ws.close();  // its onclose schedules the next attempt
+        } else {
+          clearTimeout(timer);
+          open();
+        }
       },
     };
   }
@@ -481,7 +504,19 @@
     runBatch();
   });
   $("settings-form").addEventListener("input", checkSettings);  // live: show problems, keep the focus
+  $("settings-form").addEventListener("submit", (event) => event.preventDefault());  // never a GET with the key
   if (matchMedia("(min-width: 900px)").matches) $("settings").open = true;
+
+  $("api_key").value = apiKey();
+  $("api_key").addEventListener("change", () => {
+    const key = $("api_key").value.trim();
+    if (key === apiKey()) return;
+    if (key) sessionStorage.setItem(KEY_STORAGE, key);
+    else sessionStorage.removeItem(KEY_STORAGE);
+    $("model-badge").classList.remove("bad");
+    socket.reconnect();
+    loadModelBadge();
+  });
 
   const socket = connectSocket(onSocketMessage, setConnection, onSocketDrop);
   loadModelBadge();

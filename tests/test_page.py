@@ -259,23 +259,37 @@ def test_reconnects_after_the_socket_drops(open_page):
     wait_done(last_answer(page))
 
 
-def test_api_key_in_the_page_url_reaches_rest_and_socket(browser, make_server_for, tiny_model_dir):
+def test_api_key_from_the_settings_reaches_rest_and_socket_never_the_url(browser, make_server_for, tiny_model_dir):
     from app.state import ServerSettings
 
     server = make_server_for(tiny_model_dir, ServerSettings(api_key="sekret"))
     context = browser.new_context(viewport=DESKTOP)
+    urls = []
     try:
         page = context.new_page()
-        page.goto(f"{server.url}/?api_key=sekret")
+        page.on("request", lambda request: urls.append(request.url))
+        page.on("websocket", lambda ws: urls.append(ws.url))
+        page.goto(f"{server.url}/?api_key=sekret")  # a key in the URL is not read
+        expect(page.locator("#model-badge")).to_contain_text("a valid API key is required")
+        expect(page.locator("#conn-badge")).to_contain_text("API key needed")
+
+        set_settings(page, api_key="sekret")
+        page.locator("#api_key").dispatch_event("change")
         expect(page.locator("#conn-badge")).to_have_attribute("data-state", "open")
         expect(page.locator("#model-badge")).to_contain_text("hf")
         set_settings(page, max_tokens=2)
         send(page, "Hi")
         wait_done(last_answer(page))
 
-        page.goto(server.url)
-        expect(page.locator("#model-badge")).to_contain_text("a valid API key is required")
-        expect(page.locator("#conn-badge")).to_have_attribute("data-state", "closed")
+        page.goto(server.url)  # the key stays with the tab
+        expect(page.locator("#conn-badge")).to_have_attribute("data-state", "open")
+        assert page.evaluate("sessionStorage.getItem('lockstep.apiKey')") == "sekret"
+        assert [url for url in urls if "sekret" in url] == [f"{server.url}/?api_key=sekret"]  # only our goto
+
+        other = context.new_page()  # another tab starts without it
+        other.goto(server.url)
+        expect(other.locator("#model-badge")).to_contain_text("a valid API key is required")
+        expect(other.locator("#conn-badge")).to_have_attribute("data-state", "closed")
     finally:
         context.close()
 
