@@ -18,6 +18,8 @@ workers = int(os.environ.get("LOCKSTEP_WORKERS", "1"))  # one model copy each
 worker_class = "app.gunicorn_worker.LockstepWorker"
 threads = int(os.environ.get("LOCKSTEP_HTTP_THREADS", "1024"))
 worker_connections = max(1000, 2 * threads)  # room for kept-alive connections beside busy threads
+MAX_SOCKETS = int(os.environ.get("LOCKSTEP_MAX_SOCKETS", "256"))
+SPARE_THREADS = 32  # REST calls, /health and /ready must find a thread with every socket open
 timeout = 120  # the worker heartbeat; WebSocket threads keep it alive, long generations are fine
 DRAIN_TIMEOUT_S = float(os.environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", "30"))
 graceful_timeout = int(DRAIN_TIMEOUT_S) + 10  # the master waits this long after the drain started
@@ -31,6 +33,10 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(b)s %(D)sus "%(a)s"
 loglevel = os.environ.get("LOCKSTEP_LOG_LEVEL", "info")
 # gunicorn configures only its own loggers; lockstep's (app.*, engine.*) log through the root logger.
 logging.basicConfig(level=loglevel.upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+if MAX_SOCKETS > threads - SPARE_THREADS:
+    logging.getLogger("lockstep.config").warning(
+        "LOCKSTEP_MAX_SOCKETS=%d leaves fewer than %d of LOCKSTEP_HTTP_THREADS=%d for REST and probes",
+        MAX_SOCKETS, SPARE_THREADS, threads)
 
 
 def _state(worker):
