@@ -5,6 +5,7 @@ import json
 from flask import current_app, request
 
 from engine import InvalidRequest, SamplingParams
+from engine.inputs import check_encodable
 
 from .errors import BODY_READ_ERRORS, ApiError
 
@@ -51,6 +52,7 @@ def prompt_field(body: dict, name: str = "prompt") -> str:
         raise InvalidRequest(f"{name} must be a string", name)
     if not value.strip():
         raise InvalidRequest(f"{name} must not be empty", name)
+    check_encodable(value, name)
     return value
 
 
@@ -74,6 +76,8 @@ def messages_field(body: dict) -> list[dict]:
                 or not isinstance(message.get("content"), str):
             raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and a string content",
                                  "messages")
+    for index, message in enumerate(messages):
+        check_encodable(message["content"], "messages", f"messages[{index}].content")
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise InvalidRequest("messages need at least one non-empty user message", "messages")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
