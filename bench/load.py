@@ -13,6 +13,7 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
 import socket
 import threading
 import time
@@ -354,26 +355,59 @@ class Loop(threading.Thread):
 
 
 class HealthProbe:
-    """GET /health on a fresh connection every `interval_s`, as a load balancer would; keeps every latency."""
+    """GET /health on a fresh connection every `interval_s`, as a load balancer would, from a process of its own:
+    a thread here would also time this process's GIL, busy with the fuzz's megabyte bodies."""
 
     def __init__(self, host: str, port: int, stop: threading.Event, interval_s: float = 0.25):
-        self.host, self.port = host, port
+        context = multiprocessing.get_context("spawn")
+        self._stop_process = context.Event()
+        self._results = context.Queue()
+        self._process = context.Process(target=_probe_health, args=(host, port, interval_s, self._stop_process,
+                                                                      self._results), daemon=True)
         self.latencies_s: list[float] = []
         self.failures = Counter()
-        self.loop = Loop("health-probe", self._probe, stop, interval_s)
+        self.loop = _ProbeHandle(self, stop)
 
-    def _probe(self) -> None:
-        outcome = http_call(self.host, self.port, "GET", "/health", timeout=10)
-        if outcome.status == 200:
-            self.latencies_s.append(outcome.elapsed_s)
-        else:
-            self.failures[str(outcome.status or outcome.failure)] += 1
-            self.latencies_s.append(outcome.elapsed_s)
+    def start(self) -> None:
+        self._process.start()
+
+    def finish(self, timeout: float) -> None:
+        self._stop_process.set()
+        try:
+            self.latencies_s, failures = self._results.get(timeout=timeout)
+            self.failures.update(failures)
+        except queue.Empty:
+            self.failures["prober_lost"] += 1
+        self._process.join(5)
 
     def summary(self) -> dict:
         return {"probes": len(self.latencies_s), "failures": dict(self.failures),
                 "p50_ms": ms(percentile(self.latencies_s, 50)), "p99_ms": ms(percentile(self.latencies_s, 99)),
                 "max_ms": ms(max(self.latencies_s, default=0.0))}
+
+
+class _ProbeHandle:
+    """Lets the prober stand in a list of Loops: start(), join() once `stop` is set, crash, name."""
+
+    def __init__(self, probe: HealthProbe, stop: threading.Event):
+        self.probe, self.stop, self.name, self.crash = probe, stop, "health-probe", None
+
+    def start(self) -> None:
+        self.probe.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.stop.wait(timeout)
+        self.probe.finish(timeout or 30)
+
+
+def _probe_health(host: str, port: int, interval_s: float, stop, results) -> None:
+    latencies, failures = [], Counter()
+    while not stop.wait(interval_s):
+        outcome = http_call(host, port, "GET", "/health", timeout=10)
+        latencies.append(outcome.elapsed_s)
+        if outcome.status != 200:
+            failures[str(outcome.status or outcome.failure)] += 1
+    results.put((latencies, dict(failures)))
 
 
 def percentile(values, p: float) -> float:
