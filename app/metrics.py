@@ -30,6 +30,8 @@ class ServerMetrics(RequestObserver):
                                 ["finished_reason"], registry=r)
         self.running = Gauge("lockstep:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("lockstep:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.worker_restarts = Counter("lockstep:worker_restarts", "Model workers forked to replace one that "
+                                       "died, hung or answered wrong.", registry=r)
         self.ready = Gauge("lockstep:worker_ready", "1 when the model worker is up.", registry=r)
 
     def bind(self, engine) -> None:
@@ -50,6 +52,9 @@ class ServerMetrics(RequestObserver):
         self.e2e.observe(output.timings.e2e_s)
         if seq.scheduled_time is not None:
             self.queue_time.observe(seq.scheduled_time - seq.arrival_time)
+
+    def on_worker_restart(self) -> None:
+        self.worker_restarts.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ class EngineConfig:
     device: str = "auto"
     max_batch_size: int = 8
     max_queue: int = 256
+    max_batch_kv_tokens: int = 32768  # rows x longest row (prompt + max_tokens) in the worker's padded batch
     max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
     policy: str = "continuous"
     threads: int = 0  # torch threads in the worker; 0 = all cores but one (see `num_threads`)
@@ -32,7 +33,7 @@ class EngineConfig:
     step_timeout_s: float = 120.0
     request_timeout_s: float = 600.0  # a request's deadline (a request may ask for less, never more)
     prefill_chunk_tokens: int = 512  # most prompt tokens fed per step
-    prefill_step_target_s: float = 0.25  # beside running streams, prompt chunks sized to take about this long
+    prefill_step_target_s: float = 0.2  # beside running streams, prompt chunks sized to take about this long
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
     tensor_parallel_size: int = 1
@@ -45,7 +46,7 @@ class EngineConfig:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
-        for name in ("max_batch_size", "max_queue", "max_queue_per_client", "default_max_tokens",
+        for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "default_max_tokens",
                      "max_stop_strings", "prefill_chunk_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

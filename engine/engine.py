@@ -76,7 +76,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, observer: RequestObserver | None = None):
         self.config = config or EngineConfig()
         self.scheduler = WorkloadManager(self.config.max_batch_size, self.config.max_queue, self.config.policy,
-                                         observer, self.config.max_queue_per_client)
+                                         observer, self.config.max_queue_per_client,
+                                         self.config.max_batch_kv_tokens)
         self.tokenizer = None
         self.inputs: InputProcessor | None = None
         self.executor: ModelExecutor | None = None
@@ -180,7 +181,7 @@ class LLMEngine:
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
         sampling.validate(self.config.max_stop_strings)
-        token_ids = prompt_token_ids or self.encode(prompt=prompt, messages=messages)
+        token_ids = self.encode(prompt, messages, prompt_token_ids)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         sink = sink if sink is not None else queue.Queue()
         seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
@@ -277,6 +278,7 @@ class LLMEngine:
     def _start_worker(self) -> bool:
         if self.info is not None:  # a restart: whatever the dead worker was computing is lost
             self.scheduler.fail_running(WorkerFailed("the model worker died between steps"))
+            self.scheduler.observer.on_worker_restart()
         try:
             self.info = self.executor.start()
             self.load_error = None

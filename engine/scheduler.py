@@ -38,14 +38,19 @@ class RequestObserver:
     def on_finish(self, seq: Sequence, output) -> None:
         pass
 
+    def on_worker_restart(self) -> None:
+        pass
+
 
 class WorkloadManager:
     def __init__(self, max_batch_size: int = 8, max_queue: int = 64, policy: str = "continuous",
-                 observer: RequestObserver | None = None, max_queue_per_client: int | None = None):
+                 observer: RequestObserver | None = None, max_queue_per_client: int | None = None,
+                 max_batch_kv_tokens: int | None = None):
         self.observer = observer or RequestObserver()
         self.max_batch_size = 1 if policy == "none" else max_batch_size
         self.max_queue = max_queue
         self.max_queue_per_client = max_queue_per_client or max_queue
+        self.max_batch_kv_tokens = max_batch_kv_tokens or float("inf")
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -180,6 +185,9 @@ class WorkloadManager:
         now = time.monotonic()
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self._fairest_waiting()
+            if not self._fits_kv_budget(seq):
+                break  # the batch drains until it fits: skipping to smaller requests could starve it
+            self._remember_admission(seq.client_id)
             self.waiting.remove(seq)
             seq.status, seq.scheduled_time = SequenceStatus.RUNNING, now
             self.running.append(seq)
@@ -190,10 +198,16 @@ class WorkloadManager:
         """Round-robin across clients: the client with the fewest running requests, then the one served
         longest ago, then its oldest request."""
         running_per_client = Counter(s.client_id for s in self.running)
-        seq = min(self.waiting, key=lambda s: (running_per_client[s.client_id],
-                                               self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
-        self._remember_admission(seq.client_id)
-        return seq
+        return min(self.waiting, key=lambda s: (running_per_client[s.client_id],
+                                                self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
+
+    def _fits_kv_budget(self, seq: Sequence) -> bool:
+        """The worker's batch is left-padded to its longest row, so its KV cache holds (rows x longest) tokens:
+        admit only while that stays within `max_batch_kv_tokens` (a request alone always fits)."""
+        if not self.running:
+            return True
+        longest = max(s.max_num_tokens for s in [*self.running, seq])
+        return (len(self.running) + 1) * longest <= self.max_batch_kv_tokens
 
     def _remember_admission(self, client_id: str) -> None:
         if len(self._last_admitted) >= MAX_REMEMBERED_CLIENTS:  # forget clients with nothing left here

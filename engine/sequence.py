@@ -83,6 +83,11 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most it may generate: what its KV cache can grow to."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -93,7 +93,7 @@ def handle_task(backend, task: Task):
                 return StepResult(call_id, backend.step(new_requests, finished_ids))
             case EchoTask(call_id, payload):
                 return EchoResult(call_id, payload)
-    except (RuntimeError, ValueError, IndexError, KeyError, TypeError, MemoryError) as exc:
+    except (RuntimeError, ValueError, ArithmeticError, LookupError, TypeError, MemoryError) as exc:
         logger.exception("model worker step failed")
         return WorkerFailure(task.call_id, f"{type(exc).__name__}: {exc}")
     return WorkerFailure(task.call_id, f"unknown task {type(task).__name__}")

@@ -103,3 +103,22 @@ def test_schedule_blocks_until_work_arrives_and_returns_none_on_timeout():
     assert manager.schedule(timeout=0.05) is None
     manager.close()
     assert manager.schedule(timeout=None) is None
+
+
+def make_long_seq(request_id: str, num_prompt_tokens: int, max_tokens: int) -> Sequence:
+    return Sequence(request_id, [65] * num_prompt_tokens, WorkerSampling(max_tokens=max_tokens),
+                    IncrementalDetokenizer(CharTokenizer()), queue.Queue(), frozenset({0}))
+
+
+def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_starved():
+    manager = WorkloadManager(max_batch_size=8, max_batch_kv_tokens=1000)
+    for i in range(3):
+        manager.add(make_long_seq(f"short-{i}", 40, 60))  # 100 tokens each
+    manager.add(make_long_seq("long", 300, 100))  # 400: with it, 4 rows x 400 = 1600 > 1000
+    manager.add(make_long_seq("short-late", 40, 60))
+    plan = manager.schedule(timeout=0)
+    assert [r.request_id for r in plan.new_requests] == ["short-0", "short-1", "short-2"]
+    for seq in list(manager.running):
+        manager.abort(seq.request_id)
+    plan = manager.schedule(timeout=0)  # the long one goes first; the later short one fits beside it (2 x 400)
+    assert [r.request_id for r in plan.new_requests] == ["long", "short-late"]
