@@ -118,7 +118,14 @@ def request_timeout(body: dict) -> float | None:
 
 
 def client_address() -> str:
-    return request.remote_addr or ""
+    """Who is asking, for fair admission: the peer address, or behind a trusted proxy (LOCKSTEP_TRUSTED_PROXIES)
+    the last X-Forwarded-For address that is not one of those proxies (earlier entries are the client's word)."""
+    peer = request.remote_addr or ""
+    trusted = lockstep().settings.trusted_proxies
+    if peer not in trusted:
+        return peer
+    forwarded = [a.strip() for a in request.headers.get("X-Forwarded-For", "").split(",") if a.strip()]
+    return next((a for a in reversed(forwarded) if a not in trusted), peer)[:64]
 
 
 class ClientGone(ApiError):

@@ -32,6 +32,7 @@ class ServerSettings:
     ws_idle_timeout_s: float = 300.0  # no running request and no client frame for this long: closed (1001)
     ws_auth_timeout_s: float = 10.0  # with an API key, the first frame must be an auth frame within this
     drain_timeout_s: float = 30.0
+    trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client (fairness per user)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "ServerSettings":
@@ -46,6 +47,8 @@ class ServerSettings:
             max_sockets=int(environ.get("LOCKSTEP_MAX_SOCKETS", cls.max_sockets)),
             ws_idle_timeout_s=float(environ.get("LOCKSTEP_WS_IDLE_TIMEOUT_S", cls.ws_idle_timeout_s)),
             drain_timeout_s=float(environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", cls.drain_timeout_s)),
+            trusted_proxies=tuple(p.strip() for p in environ.get("LOCKSTEP_TRUSTED_PROXIES", "").split(",")
+                                  if p.strip()),
         )
 
     @property

@@ -215,3 +215,21 @@ def test_requests_from_many_threads_with_odd_values_never_fail_the_others(make_e
         t.join(120)
     assert errors == []
     assert [o.output_token_ids for o in results] == [expected] * 6
+
+
+@pytest.mark.parametrize("peer, forwarded, trusted, expected", [
+    ("10.0.0.9", "1.2.3.4", (), "10.0.0.9"),  # an untrusted peer's header is its own word: ignored
+    ("127.0.0.1", "1.2.3.4", ("127.0.0.1",), "1.2.3.4"),
+    ("127.0.0.1", "6.6.6.6, 1.2.3.4", ("127.0.0.1",), "1.2.3.4"),  # the leftmost entry is the client's claim
+    ("127.0.0.1", "1.2.3.4, 10.0.0.2", ("127.0.0.1", "10.0.0.2"), "1.2.3.4"),  # a chain of trusted proxies
+    ("127.0.0.1", "", ("127.0.0.1",), "127.0.0.1"),
+])
+def test_fairness_behind_a_trusted_proxy_is_per_forwarded_client(peer, forwarded, trusted, expected):
+    from app import create_app
+    from app.api import client_address
+    from app.state import ServerSettings
+
+    app = create_app({"START_ENGINE": False, "SETTINGS": ServerSettings(trusted_proxies=trusted)})
+    headers = {"X-Forwarded-For": forwarded} if forwarded else {}
+    with app.test_request_context("/basic_generate", headers=headers, environ_base={"REMOTE_ADDR": peer}):
+        assert client_address() == expected
