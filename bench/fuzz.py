@@ -178,7 +178,7 @@ class BesideLoad:
 def fuzz(server: ServerUnderTest, cases: int, seed: int, concurrency: int, max_seconds: float,
          do_minimize: bool = True) -> dict:
     """The whole campaign against a ready server; returns the report (a JSON-able dict)."""
-    forks_before = server.fork_count()
+    restarts_before = RestartBaseline.of(server)
     server.start_watching()
     before = server.snapshot()
     refs = take_references(server.host, server.port)
@@ -190,18 +190,36 @@ def fuzz(server: ServerUnderTest, cases: int, seed: int, concurrency: int, max_s
     after = server.snapshot()
     server.stop_watching()
     minimized = minimize(server, findings) if do_minimize else {}
-    return report(server, findings, beside, before, after, forks_before, elapsed, minimized, seed)
+    return report(server, findings, beside, before, after, restarts_before, elapsed, minimized, seed)
 
 
-def worker_restarts(server: ServerUnderTest, forks_before: int | None) -> dict:
-    forks_after = server.fork_count()
-    if forks_before is not None and forks_after is not None:
-        return {"restarts": forks_after - forks_before, "source": "'forked model worker' lines in the server log"}
-    return {"restarts": max(0, server.pids_seen() - 1), "source": "model worker pid changes (sampled every 0.5 s)"}
+@dataclass
+class RestartBaseline:
+    """Restart counts at the start of a run, from every source the server offers."""
+    metric: float | None
+    forks: int | None
+
+    @classmethod
+    def of(cls, server: ServerUnderTest) -> "RestartBaseline":
+        return cls(server.restart_metric(), server.fork_count())
 
 
-def report(server, findings: Findings, beside: BesideLoad, before, after, forks_before, elapsed, minimized,
-           seed) -> dict:
+def worker_restarts(server: ServerUnderTest, baseline: RestartBaseline) -> dict:
+    """Restarts during the run: the worker_restarts metric; the log's fork lines; else model worker pid changes."""
+    counts = {}
+    metric = server.restart_metric()
+    if baseline.metric is not None and metric is not None:
+        counts["metric lockstep:worker_restarts_total"] = int(metric - baseline.metric)
+    forks = server.fork_count()
+    if baseline.forks is not None and forks is not None:
+        counts["'forked model worker' lines in the server log"] = forks - baseline.forks
+    if not counts:
+        counts["model worker pid changes (sampled every 0.5 s)"] = max(0, server.pids_seen() - 1)
+    return {"restarts": max(counts.values()), "source": ", ".join(f"{k}: {v}" for k, v in counts.items())}
+
+
+def report(server, findings: Findings, beside: BesideLoad, before, after, restarts_before: RestartBaseline, elapsed,
+           minimized, seed) -> dict:
     traffic = beside.traffic
     return {
         "seed": seed, "elapsed_s": round(elapsed, 1), "cases": dict(findings.cases),
@@ -209,7 +227,7 @@ def report(server, findings: Findings, beside: BesideLoad, before, after, forks_
         "observed": {surface: dict(counter.most_common()) for surface, counter in findings.observed.items()},
         "ws_error_codes": dict(findings.ws_error_codes.most_common()),
         "http_5xx": findings.http_5xx, "ws_closed_without_code": findings.closed_without_code,
-        "worker": worker_restarts(server, forks_before),
+        "worker": worker_restarts(server, restarts_before),
         "well_formed": {"ok": dict(traffic.done), "failed": len(traffic.failures), "exact_check": beside.refs.exact,
                         "bf16_drift": dict(traffic.drift),
                         "failures": traffic.failures[:20]},

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 FORK_LINE = re.compile(r"forked model worker (\d+)")
+RESTART_METRIC = re.compile(r"^lockstep:worker_restarts_total ([0-9.e+]+)$", re.MULTILINE)
 READY_TIMEOUT_S = 240
 PID_WATCH_INTERVAL_S = 0.5
 
@@ -125,6 +126,16 @@ class ServerUnderTest:
         if self.log_path is None or not self.log_path.exists():
             return None
         return len(FORK_LINE.findall(self.log_path.read_text(errors="replace")))
+
+    def restart_metric(self) -> float | None:
+        """`lockstep:worker_restarts_total` from /metrics, when the server has that counter."""
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        match = RESTART_METRIC.search(text)
+        return float(match.group(1)) if match else None
 
     def pids_seen(self) -> int:
         return len(self._model_pids)

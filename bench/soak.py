@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fuzz import Findings, run_case
+from .fuzz import Findings, RestartBaseline, run_case, worker_restarts
 from .fuzzcases import make_case
 from .load import (CHAT_REFERENCE, CHECKED_CLIENT_ADDRESS, REFERENCE_PROMPTS, CheckedTraffic, CpuBurner,
                    HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms, post_json, take_references,
@@ -236,7 +236,7 @@ class Soak:
         return loops
 
     def run(self) -> dict:
-        forks_before = self.server.fork_count()
+        restarts_before = RestartBaseline.of(self.server)
         self.warm_up()
         start = self.server.snapshot()
         health = HealthProbe(self.server.host, self.server.port, self.stop, interval_s=0.5)
@@ -253,11 +253,9 @@ class Soak:
         for loop in loops:
             if loop.crash is not None:
                 self.traffic.record_failure(loop.name, f"checker crashed: {loop.crash!r}")
-        return self.report(time.monotonic() - started, forks_before, start, end, health)
+        return self.report(time.monotonic() - started, restarts_before, start, end, health)
 
-    def report(self, elapsed: float, forks_before, start, end, health: HealthProbe) -> dict:
-        from .fuzz import worker_restarts
-
+    def report(self, elapsed: float, restarts_before: RestartBaseline, start, end, health: HealthProbe) -> dict:
         kinds = self.traffic.failure_kinds()
         start_d, end_d = start.as_dict(), end.as_dict()
         return {
@@ -269,7 +267,7 @@ class Soak:
             "mismatched": sum(n for k, n in kinds.items() if k.endswith("mismatch")),
             "failed_well_formed": len(self.traffic.failures), "failures": self.traffic.failures[:30],
             "exact_check": self.refs.exact, "bf16_drift": dict(self.traffic.drift),
-            "worker": worker_restarts(self.server, forks_before), "events": self.events,
+            "worker": worker_restarts(self.server, restarts_before), "events": self.events,
             "latency": self.traffic.latency_summary(),
             "max_inter_token_gap_ms": ms(self.traffic.max_inter_token_gap_s), "health": health.summary(),
             "odd_inputs": {"cases": sum(self.odd.cases.values()), "http_5xx": self.odd.http_5xx,
