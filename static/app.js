@@ -490,7 +490,11 @@
 
   // Buttons under each message depend on what is running and which answer is last.
   function actionsFor(message, index) {
-    if (message.role === "user") return chat.running ? [] : [button("Edit", "edit")];
+    if (message.role === "user") {
+      const edit = button("Edit", "edit");
+      edit.disabled = Boolean(chat.running);  // disabled, not removed: the page above the reader must not move
+      return [edit];
+    }
     const isLast = index === chat.messages.length - 1;
     const actions = message.content ? [button("Copy", "copy-message")] : [];
     if (isLast && !chat.running) actions.push(button(message.error ? "Retry" : "Regenerate", "regenerate"));
@@ -519,9 +523,10 @@
       ? "The model is loading; Send unlocks when it is ready." : "";
   }
 
-  function chatNotice(text) {
+  // kind "wait": a notice about the connection, replaced as soon as the connection changes.
+  function chatNotice(text, kind = "error") {
     const notice = $("chat-notice");
-    notice.dataset.kind = text ? "error" : "info";
+    notice.dataset.kind = text ? kind : "info";
     notice.textContent = text;
     if (!text) showWaitingHint();
   }
@@ -559,8 +564,9 @@
   // Replace everything from `index` on with a question and ask for its answer. False when it could not be sent.
   function askForAnswer(index, question) {
     if (!isConnected()) {
-      chatNotice(connection.socketState === "open" ? "The model is still loading; try again when it is ready."
-                                                     : "Not connected; the page is reconnecting. Try again in a moment.");
+      chatNotice(connection.socketState === "open" ? "The model is still loading; Send unlocks when it is ready."
+                                                     : "Not connected; the page is reconnecting. Try again in a moment.",
+                 "wait");
       return false;
     }
     const settings = readSettings();

@@ -117,7 +117,7 @@ def test_chat_streams_the_answer_and_shows_timings(open_page):
     expect(answer.locator("[data-k=ttft]")).to_have_text(re.compile(r"^TTFT \d+ ms$"))
     expect(answer.locator("[data-k=tps]")).to_have_text(re.compile(r"^\d+\.\d tokens/s$"))
     expect(answer.locator("[data-k=tokens]")).to_have_text(re.compile(r"^([1-9]|1[0-2]) tokens$"))
-    expect(answer.locator("[data-k=finish]")).to_have_text(re.compile(r"^(stop|length)$"))
+    expect(answer.locator("[data-k=finish]")).to_have_attribute("data-reason", re.compile(r"^(stop|length)$"))
     expect(page.locator("#chat-send")).to_be_enabled()
     expect(page.locator("#chat-stop")).to_be_disabled()
 
@@ -133,7 +133,8 @@ def test_stop_keeps_the_partial_answer(open_page):
     expect(answer.locator(".body")).to_have_text(re.compile(r"\S"), timeout=GENERATION_MS)
     page.click("#chat-stop")
 
-    expect(answer.locator("[data-k=finish]")).to_have_text("abort", timeout=GENERATION_MS)
+    expect(answer.locator("[data-k=finish]")).to_have_attribute("data-reason", "abort", timeout=GENERATION_MS)
+    expect(answer.locator("[data-k=finish]")).to_have_text("stopped")
     partial = answer.locator(".body").inner_text()
     assert partial.strip()
     tokens = int(answer.locator("[data-k=tokens]").inner_text().split()[0])
@@ -216,7 +217,8 @@ def test_batch_mode_returns_one_answer_per_prompt(open_page):
     expect(answers).to_have_count(3, timeout=GENERATION_MS)
     for i, prompt in enumerate(prompts):
         expect(answers.nth(i).locator(".prompt")).to_have_text(prompt)
-        expect(answers.nth(i).locator("[data-k=finish]")).to_have_text(re.compile(r"^(stop|length)$"))
+        expect(answers.nth(i).locator("[data-k=finish]")).to_have_attribute("data-reason",
+                                                                            re.compile(r"^(stop|length)$"))
     expect(page.locator("#batch-result [data-k=prompts]")).to_have_text("3 prompts")
 
 
@@ -301,11 +303,16 @@ def test_screenshots_of_a_finished_conversation(open_page, tmp_path):
     set_settings(page, temperature=0, max_tokens=24)
     send(page, "What is the capital of France? Answer in one sentence.")
     wait_done(last_answer(page))
+    set_settings(page, max_tokens=120)
+    send(page, "Write a Python function that reverses a string, in a code block.")
+    wait_done(last_answer(page))
     page.locator("#chat-input").blur()
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=folder / "screenshot-desktop.png")
 
     page.set_viewport_size(PHONE)
     page.click("#settings > summary")  # a phone opens with the settings folded
     expect(page.locator("#temperature")).to_be_hidden()
     assert has_no_horizontal_scroll(page)
+    last_answer(page).evaluate("answer => answer.scrollIntoView({block: 'end'})")  # lands above the composer
     page.screenshot(path=folder / "screenshot-phone.png")
