@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test setup model chromium nginx vllm bench screenshots clean
+.PHONY: serve test setup model chromium nginx vllm ray bench screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
@@ -51,6 +51,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) install $(VLLM_PIP_FLAGS) $(VLLM_PACKAGE)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(VLLM_STAMP)
+
+# Ray, for vLLM across nodes (docs/scaling.md). The constraints keep the CPU torch (ray itself needs none).
+RAY_STAMP := $(VENV)/.ray-installed
+ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(VLLM_STAMP)
+	$(PIP) install $(VLLM_PIP_FLAGS) 'ray>=2.40'
+	touch $(RAY_STAMP)
 
 bench: setup model
 	$(PY) -m bench.throughput $(BENCH_ARGS)

@@ -8,6 +8,8 @@ BACKENDS = ("hf", "vllm", "auto")
 POLICIES = ("continuous", "static", "none")
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
+DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")  # vLLM's distributed_executor_backend; ray spans nodes
+ENFORCE_EAGER = ("auto", "true", "false")  # auto: eager on CPU only (CUDA captures graphs)
 
 
 def default_cache_dir() -> str:
@@ -39,6 +41,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
+    distributed_executor: str = "auto"
+    enforce_eager: str = "auto"
 
     def __post_init__(self):
         self.cache_dir = self.cache_dir or default_cache_dir()
@@ -46,6 +50,8 @@ class EngineConfig:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
+        _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
         for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "default_max_tokens",
                      "max_stop_strings", "prefill_chunk_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:

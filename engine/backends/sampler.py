@@ -38,10 +38,12 @@ class TokenSampler:
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token id as a 0-d tensor on the logits' device. No `int()` here: on CUDA that would wait
+        for the GPU once per row; the caller copies a whole batch's tokens to the host at once."""
         logits = logits.float()
         if self.generator is None:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         s = self.sampling
         probs = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.multinomial(probs, 1, generator=self.generator)[0]

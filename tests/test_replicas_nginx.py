@@ -1,0 +1,100 @@
+"""docs/nginx-replicas.conf, run as it is (ports and log folder substituted) by Debian's nginx in front of two
+live lockstep replicas on different ports: REST spreads over both, a socket stays on one replica, and a draining
+replica's share goes to the other without a single failed request."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from app.state import ServerSettings
+
+from .client import WsClient, http
+from .test_edge_nginx import WRAPPER
+from .test_gunicorn import free_port
+
+DOCS_CONF = Path(__file__).resolve().parent.parent / "docs" / "nginx-replicas.conf"
+DOCS_PORTS = ("127.0.0.1:8001", "127.0.0.1:8002")
+SHORT = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+
+
+@pytest.fixture
+def replicas_behind_nginx(make_server_for, tiny_model_dir, tmp_path):
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        pytest.fail("nginx is needed for this test: run `make nginx`")
+    port = free_port()
+    settings = ServerSettings(allowed_origins=(f"http://127.0.0.1:{port}",))
+    replicas = [make_server_for(tiny_model_dir, settings) for _ in DOCS_PORTS]
+    conf = DOCS_CONF.read_text().replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+    for docs_port, replica in zip(DOCS_PORTS, replicas):
+        conf = conf.replace(docs_port, f"127.0.0.1:{replica.server.server_port}")
+    (tmp_path / "lockstep.conf").write_text(conf.replace("/var/log/nginx", str(tmp_path)))
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    (tmp_path / "nginx.conf").write_text(WRAPPER.format(user=user, tmp=tmp_path))
+    process = subprocess.Popen([nginx, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_for(url, process)
+    yield url, replicas
+    process.send_signal(signal.SIGQUIT)
+    process.wait(10)
+
+
+def _wait_for(url: str, process) -> None:
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            http("GET", url + "/health", timeout=2)
+            return
+        except OSError:
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.1)
+
+
+def finished_requests(replica) -> float:
+    """Requests this replica finished, from its own /metrics (asked directly, not through nginx)."""
+    text = http("GET", replica.url + "/metrics")[2]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("lockstep:request_success_total{"))
+
+
+def served_by(replicas, send) -> list[float]:
+    """How many requests each replica finished while `send()` ran."""
+    before = [finished_requests(r) for r in replicas]
+    send()
+    return [finished_requests(r) - b for r, b in zip(replicas, before)]
+
+
+def rest_calls(url: str, count: int) -> None:
+    for _ in range(count):
+        status, _, body = http("POST", url + "/basic_generate", SHORT)
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+def socket_requests(url: str, count: int) -> None:
+    ws = WsClient(url.replace("http", "ws") + "/ws", origin=url)
+    for i in range(count):
+        ws.generate(f"r{i}", **SHORT)
+        assert ws.collect([f"r{i}"])[f"r{i}"]["final"]["type"] == "done"
+    ws.close()
+
+
+def test_rest_spreads_over_both_replicas_and_a_socket_stays_on_one(replicas_behind_nginx):
+    url, replicas = replicas_behind_nginx
+    assert all(http("GET", r.url + "/ready")[0] == 200 for r in replicas)
+    assert all(count >= 2 for count in served_by(replicas, lambda: rest_calls(url, 6)))
+    per_replica = served_by(replicas, lambda: socket_requests(url, 4))
+    assert sorted(per_replica) == [0, 4]
+
+
+def test_a_draining_replica_gets_no_new_work_and_no_request_fails(replicas_behind_nginx):
+    url, (draining, staying) = replicas_behind_nginx
+    draining.state.begin_drain()  # what SIGTERM starts in a gunicorn worker
+    assert http("GET", draining.url + "/ready")[0] == 503
+    per_replica = served_by([draining, staying], lambda: (rest_calls(url, 6), socket_requests(url, 2)))
+    assert per_replica == [0, 8]
