@@ -303,11 +303,10 @@ def test_screenshots_of_a_finished_conversation(open_page, tmp_path):
     set_settings(page, temperature=0, max_tokens=24)
     send(page, "What is the capital of France? Answer in one sentence.")
     wait_done(last_answer(page))
-    set_settings(page, max_tokens=120)
+    set_settings(page, max_tokens=64)
     send(page, "Write a Python function that reverses a string, in a code block.")
     wait_done(last_answer(page))
     page.locator("#chat-input").blur()
-    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=folder / "screenshot-desktop.png")
 
     page.set_viewport_size(PHONE)
