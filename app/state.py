@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from flask import current_app
 
 from engine import EngineConfig, LLMEngine
+from engine.sampling import MAX_STOP_LENGTH
 
 from .metrics import ServerMetrics
 
@@ -135,7 +136,11 @@ class AppState:
                 "backend": info.backend if info else backend, "backend_reason": reason,
                 "dtype": info.dtype if info else engine.config.dtype, "device": info.device if info else None,
                 "max_model_len": engine.max_model_len or None, "max_batch_size": engine.config.max_batch_size,
-                "policy": engine.config.policy, "ready": engine.is_ready}
+                "policy": engine.config.policy, "ready": engine.is_ready,
+                # Limits a client should know, served so that the page does not repeat them.
+                "max_stop_strings": engine.config.max_stop_strings, "max_stop_length": MAX_STOP_LENGTH,
+                "max_prompts": self.settings.max_prompts,
+                "max_request_timeout_s": engine.config.request_timeout_s}
 
 
 def lockstep() -> AppState:
