@@ -53,7 +53,7 @@ def test_models_tokenize_health_ready(server):
     _, _, models = http("GET", server.url + "/v1/models")
     card = models["data"][0]
     assert card["backend"] == "hf" and card["max_model_len"] == 256 and card["ready"] is True
-    assert (card["max_stop_strings"], card["max_stop_length"], card["max_prompts"]) == (8, 200, 32)
+    assert (card["max_stop_strings"], card["max_stop_length"], card["max_prompts"]) == (8, 200, 4)  # as configured
     _, _, tokens = post(server, "/tokenize", {"prompt": "Hello world"})
     assert tokens["count"] == len(tokens["tokens"]) == 2
     assert http("GET", server.url + "/health")[0] == 200
