@@ -254,8 +254,10 @@ def format_table(result: dict) -> str:
         ("sockets closed without a close code (0)", result["ws_closed_without_code"]),
         ("model worker restarts (0)", f"{result['worker']['restarts']}  [{result['worker']['source']}]"),
         ("failed well-formed requests (0)", _well_formed_cell(result["well_formed"])),
-        ("/health p50 / p99 / max ms (p99 < 100)", f"{health['p50_ms']} / {health['p99_ms']} / {health['max_ms']}"
-                                                   f"  ({health['probes']} probes, failures {health['failures']})"),
+        ("/health p50 / p95 / p99 / max ms (p99 < 100)", f"{health['p50_ms']} / {health['p95_ms']} / "
+                                                         f"{health['p99_ms']} / {health['max_ms']}  "
+                                                         f"({health['probes']} probes, {health['over_100ms']} over "
+                                                         f"100 ms, failures {health['failures']})"),
     ]
     for role in ("http_worker", "model_worker"):
         b, a = before[role], after[role]

@@ -382,8 +382,9 @@ class HealthProbe:
 
     def summary(self) -> dict:
         return {"probes": len(self.latencies_s), "failures": dict(self.failures),
-                "p50_ms": ms(percentile(self.latencies_s, 50)), "p99_ms": ms(percentile(self.latencies_s, 99)),
-                "max_ms": ms(max(self.latencies_s, default=0.0))}
+                "p50_ms": ms(percentile(self.latencies_s, 50)), "p95_ms": ms(percentile(self.latencies_s, 95)),
+                "p99_ms": ms(percentile(self.latencies_s, 99)), "max_ms": ms(max(self.latencies_s, default=0.0)),
+                "over_100ms": sum(latency > 0.1 for latency in self.latencies_s)}
 
 
 class _ProbeHandle:
