@@ -3,7 +3,7 @@ import logging
 
 from flask import Flask
 
-from engine import BackendUnavailable, EngineConfig, LLMEngine
+from engine import BackendUnavailable, EngineConfig, LLMEngine, WorkerFailed
 from engine.model_store import ModelNotFound
 
 from . import api, ops, pages, ws
@@ -42,7 +42,7 @@ def create_app(config: dict | None = None) -> Flask:
     if app.config["START_ENGINE"]:
         try:
             engine.start(wait=app.config["WAIT_FOR_MODEL"])
-        except (BackendUnavailable, ModelNotFound) as exc:
+        except (BackendUnavailable, ModelNotFound, WorkerFailed) as exc:  # WorkerFailed: the model did not load
             raise _startup_failure(str(exc)) from None
     return app
 

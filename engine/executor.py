@@ -26,6 +26,7 @@ from . import worker
 logger = logging.getLogger(__name__)
 
 LIVENESS_CHECK_S = 0.2  # how often a blocked `get` looks at whether the worker still lives
+TASK_WORDS = {StepTask: "computing the next tokens", EchoTask: "answering a readiness check"}  # for error messages
 
 
 class ModelExecutor:
@@ -115,7 +116,7 @@ class ModelExecutor:
             raise WorkerFailed("the model worker stopped taking tasks") from None
         if self.after_put_hook:
             self.after_put_hook()
-        result = self._get_result(timeout, type(task).__name__)
+        result = self._get_result(timeout, TASK_WORDS.get(type(task), "answering"))
         if result.call_id != call_id:
             self._kill()
             raise CorrelationMismatch(
