@@ -58,13 +58,14 @@ def main() -> None:
     parser.add_argument("--prompt-chars", type=int, default=30000, help='the long prompt is "x" * this')
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--no-baseline", action="store_true", help="skip the one-piece prefill run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    runs = [("chunked (defaults)", EngineConfig(dtype=args.dtype))]
-    if not args.no_baseline:
+    runs = [(f"{args.backend}: chunked (defaults)", EngineConfig(dtype=args.dtype, backend=args.backend))]
+    if not args.no_baseline and args.backend == "hf":
         # One piece: as before chunking, the whole prompt in a single forward inside one step.
-        runs.append(("one piece", EngineConfig(dtype=args.dtype, prefill_chunk_tokens=1 << 20,
+        runs.append(("hf: one piece", EngineConfig(dtype=args.dtype, prefill_chunk_tokens=1 << 20,
                                                prefill_step_target_s=1e6)))
     print("| prefill | prompt tokens | long prompt s | stream tokens meanwhile | median gap s | p99 gap s | "
           "max gap s |")
