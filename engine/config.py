@@ -36,6 +36,7 @@ class EngineConfig:
     request_timeout_s: float = 600.0  # a request's deadline (a request may ask for less, never more)
     prefill_chunk_tokens: int = 512  # most prompt tokens fed per step
     prefill_step_target_s: float = 0.2  # beside running streams, prompt chunks sized to take about this long
+    vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
     tensor_parallel_size: int = 1
@@ -53,7 +54,8 @@ class EngineConfig:
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
         for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "default_max_tokens",
-                     "max_stop_strings", "prefill_chunk_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
+                     "max_stop_strings", "prefill_chunk_tokens", "vllm_cpu_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.threads < 0 or self.max_model_len < 0:
