@@ -179,6 +179,7 @@ def fuzz(server: ServerUnderTest, cases: int, seed: int, concurrency: int, max_s
          do_minimize: bool = True) -> dict:
     """The whole campaign against a ready server; returns the report (a JSON-able dict)."""
     restarts_before = RestartBaseline.of(server)
+    log_start = server.log_size()
     server.start_watching()
     before = server.snapshot()
     refs = take_references(server.host, server.port)
@@ -189,8 +190,11 @@ def fuzz(server: ServerUnderTest, cases: int, seed: int, concurrency: int, max_s
     beside.finish()
     after = server.snapshot()
     server.stop_watching()
+    tracebacks = server.log_tracebacks(log_start)  # before minimizing replays more cases
     minimized = minimize(server, findings) if do_minimize else {}
-    return report(server, findings, beside, before, after, restarts_before, elapsed, minimized, seed)
+    result = report(server, findings, beside, before, after, restarts_before, elapsed, minimized, seed)
+    result["server_log_tracebacks"] = tracebacks
+    return result
 
 
 @dataclass
@@ -265,6 +269,10 @@ def format_table(result: dict) -> str:
                                                        f"{a['rss_mb']} / {a['threads']} / {a['fds']}"
                                                        f"  (pid {b['pid']} -> {a['pid']})"))
     lines += [""] + [f"  {name:<42} {value}" for name, value in rows]
+    tracebacks = result.get("server_log_tracebacks") or {}
+    lines += ["", f"  server log: {sum(t['count'] for t in tracebacks.values())} exceptions with a traceback"]
+    lines += [f"    {t['count']:>5}  {t['example'][:110]}"
+              for t in sorted(tracebacks.values(), key=lambda t: -t["count"])]
     if result["problems"]:
         lines += ["", "  problems (kind, target: count):"]
         lines += [f"    {p['kind']:<28} {p['target'][:40]:<40} {p['count']:>5}" for p in result["problems"]]

@@ -137,6 +137,24 @@ class ServerUnderTest:
         match = RESTART_METRIC.search(text)
         return float(match.group(1)) if match else None
 
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+
+    def log_tracebacks(self, since: int) -> dict:
+        """Exceptions the server logged with a traceback after byte `since` of its log, by exception type:
+        {type: {"count", "example"}} (a chained traceback counts each exception in the chain)."""
+        if self.log_path is None or not self.log_path.exists():
+            return {}
+        with open(self.log_path, "rb") as log:
+            log.seek(since)
+            text = log.read().decode("utf-8", "replace")
+        found: dict[str, dict] = {}
+        for block in text.split("Traceback (most recent call last):")[1:]:
+            line = _exception_line(block)
+            entry = found.setdefault(line.split(":")[0], {"count": 0, "example": line})
+            entry["count"] += 1
+        return found
+
     def pids_seen(self) -> int:
         return len(self._model_pids)
 
@@ -181,6 +199,14 @@ def start_gunicorn(log_path: Path, env_overrides: dict | None = None, port: int 
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     logger.info("started gunicorn pid %d on port %d (log %s)", process.pid, port, log_path)
     return ServerUnderTest(f"http://127.0.0.1:{port}", log_path, process)
+
+
+def _exception_line(block: str) -> str:
+    """The `Type: message` line that ends a traceback block (the first unindented line after the frames)."""
+    for line in block.splitlines()[1:]:
+        if line and not line.startswith(" "):
+            return line[:160]
+    return "?"
 
 
 def _signal_group(pid: int, sig: int) -> None:
