@@ -28,8 +28,8 @@ from pathlib import Path
 from .fuzz import Findings, RestartBaseline, run_case, worker_restarts
 from .fuzzcases import make_case
 from .load import (CHAT_REFERENCE, CHECKED_CLIENT_ADDRESS, REFERENCE_PROMPTS, CheckedTraffic, CpuBurner,
-                   HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms, post_json, take_references,
-                   texts_and_finals, ws_connect, ws_read_until)
+                   HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms, post_json,
+                   take_references, texts_and_finals, ws_connect, ws_read_until)
 from .server import ServerUnderTest, start_gunicorn
 
 logger = logging.getLogger("bench.soak")
