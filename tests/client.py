@@ -1,5 +1,6 @@
 """Small real HTTP and WebSocket clients for the live-server tests."""
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -57,3 +58,24 @@ class WsClient:
 
     def close(self):
         self.ws.close()
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.02)
+
+
+def wait_for_http(url: str, process, timeout: float = 15.0) -> None:
+    """Wait until a server we started answers GET `url`; fail with its output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            http("GET", url, timeout=2)
+            return
+        except OSError:
+            assert process.poll() is None, process.stdout.read().decode()
+            assert time.monotonic() < deadline, f"{url} did not answer within {timeout} s"
+            time.sleep(0.1)

@@ -11,7 +11,7 @@ import websocket
 
 from app.state import ServerSettings
 
-from .client import WsClient, http
+from .client import WsClient, http, wait_until
 from .conftest import LiveServer, start_live_server
 
 KEY = "sekret-4f1c"
@@ -29,13 +29,6 @@ def keyed(tiny_model_dir):
     live = start_live_server(tiny_model_dir, ServerSettings(api_key=KEY, ws_auth_timeout_s=1.0))
     yield live
     live.stop()
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def close_frame(ws: WsClient) -> tuple[int, str]:

@@ -1,17 +1,17 @@
 """docs/nginx.conf, run as it is (ports and log folder substituted) by Debian's nginx in front of a live server:
 a REST call and a WebSocket stream through it, and no key in its access log."""
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from app.state import ServerSettings
 
-from .client import WsClient, http
+from .client import WsClient, http, wait_for_http
 from .test_gunicorn import free_port
 
 DOCS_CONF = Path(__file__).resolve().parent.parent / "docs" / "nginx.conf"
@@ -33,32 +33,33 @@ http {{
 
 @pytest.fixture
 def nginx_in_front(make_server_for, tiny_model_dir, tmp_path):
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(nginx).exists():
-        pytest.fail("nginx is needed for this test: run `make nginx`")
     port = free_port()
     live = make_server_for(tiny_model_dir, ServerSettings(api_key=KEY,
                                                           allowed_origins=(f"http://127.0.0.1:{port}",)))
     conf = (DOCS_CONF.read_text().replace("127.0.0.1:8000", f"127.0.0.1:{live.server.server_port}")
             .replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace("/var/log/nginx", str(tmp_path)))
-    (tmp_path / "lockstep.conf").write_text(conf)
+    with running_nginx(conf, port, tmp_path) as url:
+        yield url, tmp_path
+
+
+@contextlib.contextmanager
+def running_nginx(site_conf: str, port: int, tmp_path: Path):
+    """nginx with `site_conf` (a docs/ config, ports already replaced) in `tmp_path`; yields its URL."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        pytest.fail("nginx is needed for this test: run `make nginx`")
+    (tmp_path / "lockstep.conf").write_text(site_conf)
     user = "user root;\n" if os.geteuid() == 0 else ""  # workers must reach the temporary folders
     (tmp_path / "nginx.conf").write_text(WRAPPER.format(user=user, tmp=tmp_path))
     process = subprocess.Popen([nginx, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            http("GET", url + "/health", timeout=2)
-            break
-        except OSError:
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "nginx did not start"
-            time.sleep(0.1)
-    yield url, tmp_path
-    process.send_signal(signal.SIGQUIT)
-    process.wait(10)
+    try:
+        wait_for_http(url + "/health", process)
+        yield url
+    finally:
+        process.send_signal(signal.SIGQUIT)
+        process.wait(10)
 
 
 def test_rest_and_a_socket_stream_through_nginx(nginx_in_front):

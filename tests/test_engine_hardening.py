@@ -14,17 +14,11 @@ from engine import FinishReason, NotReady, Overloaded, RequestOutput, SamplingPa
 from engine import engine as engine_module
 from engine.backends.sampler import TokenSampler
 
+from .client import wait_until
 from .torch_jobs import run_job
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 POISON_SEED = 666
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def long_prompt_ids(engine, num_tokens: int) -> list[int]:

@@ -1,11 +1,6 @@
 """docs/nginx-replicas.conf, run as it is (ports and log folder substituted) by Debian's nginx in front of two
 live lockstep replicas on different ports: REST spreads over both, a socket stays on one replica, and a draining
 replica's share goes to the other without a single failed request."""
-import os
-import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +8,7 @@ import pytest
 from app.state import ServerSettings
 
 from .client import WsClient, http
-from .test_edge_nginx import WRAPPER
+from .test_edge_nginx import running_nginx
 from .test_gunicorn import free_port
 
 DOCS_CONF = Path(__file__).resolve().parent.parent / "docs" / "nginx-replicas.conf"
@@ -23,37 +18,14 @@ SHORT = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
 
 @pytest.fixture
 def replicas_behind_nginx(make_server_for, tiny_model_dir, tmp_path):
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(nginx).exists():
-        pytest.fail("nginx is needed for this test: run `make nginx`")
     port = free_port()
     settings = ServerSettings(allowed_origins=(f"http://127.0.0.1:{port}",))
     replicas = [make_server_for(tiny_model_dir, settings) for _ in DOCS_PORTS]
     conf = DOCS_CONF.read_text().replace("127.0.0.1:8080", f"127.0.0.1:{port}")
     for docs_port, replica in zip(DOCS_PORTS, replicas):
         conf = conf.replace(docs_port, f"127.0.0.1:{replica.server.server_port}")
-    (tmp_path / "lockstep.conf").write_text(conf.replace("/var/log/nginx", str(tmp_path)))
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    (tmp_path / "nginx.conf").write_text(WRAPPER.format(user=user, tmp=tmp_path))
-    process = subprocess.Popen([nginx, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    _wait_for(url, process)
-    yield url, replicas
-    process.send_signal(signal.SIGQUIT)
-    process.wait(10)
-
-
-def _wait_for(url: str, process) -> None:
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            http("GET", url + "/health", timeout=2)
-            return
-        except OSError:
-            assert process.poll() is None, process.stdout.read().decode()
-            assert time.monotonic() < deadline, "nginx did not start"
-            time.sleep(0.1)
+    with running_nginx(conf.replace("/var/log/nginx", str(tmp_path)), port, tmp_path) as url:
+        yield url, replicas
 
 
 def finished_requests(replica) -> float:

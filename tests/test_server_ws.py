@@ -1,10 +1,9 @@
 """WebSocket /ws against a live server with a real client: streaming, multiplexing, cancel, errors, disconnect."""
-import time
 
 import pytest
 import websocket
 
-from .client import WsClient, http
+from .client import WsClient, http, wait_until
 from .conftest import start_live_server
 
 
@@ -13,13 +12,6 @@ def server(tiny_model_dir):
     live = start_live_server(tiny_model_dir)
     yield live
     live.stop()
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_stream_start_deltas_done(server, client):

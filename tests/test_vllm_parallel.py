@@ -3,7 +3,6 @@ parallel 2 on a tiny Llama (4 heads), each worker pinned to one core. Greedy tok
 and no vLLM process outlives any way the model worker can end: shutdown, SIGKILL of the worker, death of the
 server process. Plus the start-up errors for layouts that cannot work (no vLLM start needed)."""
 import os
-import signal
 import subprocess
 import sys
 import textwrap
