@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from flask import Blueprint, Response, g, request
 from simple_websocket import ConnectionClosed, Server
 from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import LocalProtocolError
 
 from engine import EngineError, FinishReason, RequestOutput
 from engine.sequence import DeltaEvent
@@ -75,6 +76,8 @@ def chat_socket():
         ws = LockstepSocket(request.environ, **socket_options(state.settings))
         try:
             SocketSession(ws, state, client_address(), g.get("is_authenticated", False)).run()
+        except Exception:  # noqa: BLE001 - past the upgrade no HTTP error may follow: the connection is the socket's
+            logger.exception("socket session failed")
         finally:
             ws.finish()
     finally:
@@ -267,8 +270,8 @@ class SocketSession:
             return
         try:
             self.ws.send(json.dumps(message))
-        except (ConnectionClosed, OSError):  # the client is gone (BrokenPipe, reset): end the session
-            self.is_open = False
+        except (ConnectionClosed, OSError, LocalProtocolError):  # the client is gone (BrokenPipe, reset), or
+            self.is_open = False  # the socket is already closing (a close code was sent): end the session
 
     def _cancel_all(self) -> None:
         for request_id in list(self.client_ids):
@@ -302,7 +305,7 @@ class LockstepSocket(Server):
             return
         try:
             self.close(code, reason)
-        except (ConnectionClosed, OSError):
+        except (ConnectionClosed, OSError, LocalProtocolError):  # closing or closed already
             pass
 
     def finish(self) -> None:

@@ -64,9 +64,6 @@ def test_no_model_worker_restart(report):
     assert report["worker"]["restarts"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="open: /work/notes/fuzz-findings.md F11 (sends on a closing socket raise "
-                                      "LocalProtocolError) and F12 (EBADF in the worker's recv); remove this "
-                                      "marker with the fix")
 def test_no_exception_escaped_into_the_server_log(report):
     """Issue 9.7: every handler path ends cleanly. A slow client's 408 is logged by gunicorn, not escaped."""
     escaped = {kind: t for kind, t in report["server_log_tracebacks"].items() if not kind.endswith("ReadTimeout")}
