@@ -3,10 +3,12 @@
 Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks
 while there is nothing to do) and `postprocess`. One lock guards all of it.
 
-Fairness: each client (an address, a socket) may hold at most `max_queue_per_client`
-waiting requests, and a free slot goes to the waiting request whose client has the fewest
-running, oldest first; so one client that keeps the queue full cannot lock the others out.
-Deadlines: a request past its deadline fails with deadline_exceeded, waiting or running.
+Fairness: each client (an address) may hold at most `max_queue_per_client` waiting
+requests, and slots go round-robin across clients (fewest running, then served longest
+ago), so one client that keeps the queue full cannot lock the others out. Memory: the
+worker's padded batch holds rows x longest row tokens; admission keeps that within
+`max_batch_kv_tokens`. Deadlines: a request past its deadline fails with
+deadline_exceeded, waiting or running.
 """
 import logging
 import threading
@@ -161,10 +163,6 @@ class WorkloadManager:
 
     def _needs_step(self) -> bool:
         return bool(self.running or self.finished_ids or (self.waiting and self._can_admit()))
-
-    def next_deadline(self) -> float:
-        with self._lock:
-            return min((s.deadline for s in self.sequences.values()), default=float("inf"))
 
     def _expire(self, now: float) -> None:
         for seq in [s for s in self.sequences.values() if s.deadline <= now]:
