@@ -8,7 +8,6 @@ own model worker) when it imports wsgi.py: never in the master, so no `preload_a
 SIGTERM drains: the worker keeps accepting but answers new requests 503, running ones
 finish (up to LOCKSTEP_DRAIN_TIMEOUT_S), then gunicorn's own graceful stop runs.
 """
-import ctypes
 import logging
 import os
 import signal
@@ -20,8 +19,7 @@ worker_class = "app.gunicorn_worker.LockstepWorker"
 threads = int(os.environ.get("LOCKSTEP_HTTP_THREADS", "1024"))
 worker_connections = max(1000, 2 * threads)  # room for kept-alive connections beside busy threads
 MAX_SOCKETS = int(os.environ.get("LOCKSTEP_MAX_SOCKETS", "256"))
-SPARE_THREADS = 32
-M_ARENA_MAX = -8  # glibc's mallopt parameter  # REST calls, /health and /ready must find a thread with every socket open
+SPARE_THREADS = 32  # REST calls, /health and /ready must find a thread with every socket open
 timeout = 120  # the worker heartbeat; WebSocket threads keep it alive, long generations are fine
 DRAIN_TIMEOUT_S = float(os.environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", "30"))
 graceful_timeout = int(DRAIN_TIMEOUT_S) + 10  # the master waits this long after the drain started
@@ -45,10 +43,9 @@ def post_fork(server, worker):
     """Two malloc arenas instead of 8 per core: request threads tokenizing big prompts otherwise each keep
     a private high-water mark (measured, 5 bursts of 32 long /tokenize calls: RSS after them 534-579 MB with
     glibc's default, 407-419 MB flat with 2)."""
-    try:
-        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 2)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    from engine.memory import limit_malloc_arenas  # imported here: the master needs none of the engine
+
+    limit_malloc_arenas(2)
 
 
 def _state(worker):

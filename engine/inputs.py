@@ -8,9 +8,6 @@ as plain text, so `<|im_end|>` in a message cannot forge a turn; the template's 
 A raw `prompt` keeps its special tokens, as vLLM's completions endpoint does: it is the caller's whole
 model input, with no other party's turn in it to forge.
 """
-import ctypes
-import ctypes.util
-import functools
 import json
 import logging
 import math
@@ -25,6 +22,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from .errors import InvalidRequest, Overloaded, PromptTooLong
+from .memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -279,16 +277,3 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS after a long tokenization. glibc keeps them in per-thread
-    arenas otherwise, and a burst of threads leaves the process hundreds of MB above its working size."""
-    trim = getattr(_libc(), "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
