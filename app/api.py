@@ -4,7 +4,6 @@ A REST call waits for its requests with a timeout and looks at its client's sock
 a client that hung up gets its requests cancelled instead of keeping the batch busy.
 """
 import logging
-import math
 import queue
 import socket
 import time
@@ -12,7 +11,7 @@ import uuid
 
 from flask import Blueprint, g, jsonify, request
 
-from engine import EngineError, FinishReason, InvalidRequest, RequestHandle, RequestOutput
+from engine import FinishReason, RequestHandle, RequestOutput
 
 from .errors import ApiError, from_failed_output
 from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
@@ -88,32 +87,16 @@ def tokenize():
 
 def _run_one(body: dict, prompt: str | None = None, messages: list | None = None) -> RequestOutput:
     engine = lockstep().engine
-    sampling, timeout_s = sampling_fields(body, engine), request_timeout(body)
-    handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(), timeout_s=timeout_s)
+    handle = engine.submit(prompt, sampling_fields(body, engine), messages=messages, client_id=client_address(),
+                           timeout_s=body.get("timeout"))
     return _checked(_wait_while_connected([handle]))[0]
 
 
 def _run_many(prompts: list[str], body: dict, default_max_tokens: int | None = None) -> list[RequestOutput]:
     engine = lockstep().engine
-    sampling, timeout_s = sampling_fields(body, engine, default_max_tokens), request_timeout(body)
-    handles: list[RequestHandle] = []
-    try:
-        for prompt in prompts:
-            handles.append(engine.submit(prompt, sampling, client_id=client_address(), timeout_s=timeout_s))
-    except EngineError:
-        _cancel(handles)
-        raise
+    handles = engine.submit_many(prompts, sampling_fields(body, engine, default_max_tokens),
+                                 client_id=client_address(), timeout_s=body.get("timeout"))
     return _checked(_wait_while_connected(handles))
-
-
-def request_timeout(body: dict) -> float | None:
-    """The optional `timeout` field: seconds, a positive finite number (it can only shorten the server's)."""
-    value = body.get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InvalidRequest("timeout must be a positive number of seconds", "timeout")
-    return float(value)
 
 
 def client_address() -> str:

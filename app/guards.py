@@ -13,8 +13,8 @@ from .state import is_loopback_host, lockstep
 
 logger = logging.getLogger(__name__)
 
-OPEN_ENDPOINTS = {"ops.health", "ops.ready", "ops.metrics", "pages.index", "static"}
 OPS_ENDPOINTS = {"ops.health", "ops.ready", "ops.metrics"}  # still answered during a drain
+OPEN_ENDPOINTS = OPS_ENDPOINTS | {"pages.index", "static"}  # answered without an API key
 SOCKET_ENDPOINT = "ws.chat_socket"
 
 

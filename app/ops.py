@@ -16,10 +16,7 @@ def ready():
     """200 when this instance should get traffic: accepting (not draining) and the worker answered recently
     or is busy in a step younger than the step timeout (the engine decides, without queueing behind a step)."""
     state = lockstep()
-    if state.is_draining:
-        is_ready, reason = False, "the server is draining (shutting down)"
-    else:
-        is_ready, reason = state.engine.readiness()
+    is_ready, reason = state.engine.readiness()  # a drain stops the engine accepting: that is "not ready" too
     if is_ready:
         return jsonify(status="ready", model=state.model_name)
     response = jsonify(status="not_ready", reason=reason)

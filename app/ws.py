@@ -30,7 +30,7 @@ from wsproto.utilities import LocalProtocolError
 from engine import EngineError, FinishReason, RequestOutput
 from engine.sequence import DeltaEvent
 
-from .api import client_address, request_timeout
+from .api import client_address
 from .errors import ApiError, error_response, from_engine_error, from_failed_output, ws_error
 from .guards import keys_match
 from .schema import messages_field, parse_json_object, prompt_field, sampling_fields
@@ -240,10 +240,10 @@ class SocketSession:
             prompt, messages = None, messages_field(message)
         else:
             prompt, messages = prompt_field(message), None
-        sampling, timeout_s = sampling_fields(message, self.engine), request_timeout(message)
+        sampling = sampling_fields(message, self.engine)
         request_id = f"ws-{uuid.uuid4().hex[:12]}"
         self.engine.submit(prompt, sampling, messages=messages, request_id=request_id, sink=self.inbox,
-                           client_id=self.client, timeout_s=timeout_s)
+                           client_id=self.client, timeout_s=message.get("timeout"))
         self.client_ids[request_id], self.request_ids[client_id] = client_id, request_id
         self._send({"type": "start", "id": client_id})
 

@@ -181,28 +181,34 @@ class LLMEngine:
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
         sampling.validate(self.config.max_stop_strings)
+        deadline = time.monotonic() + self._timeout(timeout_s)  # checked before the (costly) tokenization
         token_ids = self.encode(prompt, messages, prompt_token_ids)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         sink = sink if sink is not None else queue.Queue()
         seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
                        IncrementalDetokenizer(self.tokenizer, sampling.stop), sink,
-                       frozenset() if sampling.ignore_eos else self._eos_token_ids(), client_id,
-                       time.monotonic() + self._timeout(timeout_s))
+                       frozenset() if sampling.ignore_eos else self._eos_token_ids(), client_id, deadline)
         self.scheduler.add(seq)
         return RequestHandle(self, request_id, sink)
 
-    def generate(self, prompts: list[str], sampling: SamplingParams | None = None,
-                 timeout: float | None = None) -> list[RequestOutput]:
-        """Blocking helper: submit every prompt (batched by the scheduler), return outputs in order."""
+    def submit_many(self, prompts: list[str], sampling: SamplingParams | None = None,
+                    **options) -> list[RequestHandle]:
+        """Submit every prompt (the scheduler batches them) or none: if one is refused, the others are cancelled.
+        `options` are submit's keyword arguments (client_id, timeout_s)."""
         handles = []
         try:
             for prompt in prompts:
-                handles.append(self.submit(prompt, sampling))
+                handles.append(self.submit(prompt, sampling, **options))
         except EngineError:
             for handle in handles:
                 handle.cancel()
             raise
-        return [handle.result(timeout) for handle in handles]
+        return handles
+
+    def generate(self, prompts: list[str], sampling: SamplingParams | None = None,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        """Blocking helper: submit every prompt, return outputs in order."""
+        return [handle.result(timeout) for handle in self.submit_many(prompts, sampling)]
 
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
