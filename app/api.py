@@ -13,7 +13,7 @@ from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput
 
-from .errors import ApiError, from_failed_output
+from .errors import ApiError, from_failed_output, unsupported_field
 from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
 from .state import lockstep
 
@@ -165,9 +165,9 @@ def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
 
 def _refuse_openai_extras(body: dict) -> None:
     if body.get("stream"):
-        raise ApiError(400, STREAM_HINT, "stream_not_supported", "stream")
+        raise unsupported_field("stream", STREAM_HINT)
     if body.get("n", 1) != 1:
-        raise ApiError(422, "only n=1 is supported", "invalid_value", "n")
+        raise ApiError(400, "only n=1 is supported", "invalid_value", "n")
 
 
 def _total_usage(outputs: list[RequestOutput]) -> dict:

@@ -15,9 +15,18 @@ RETRY_AFTER_S = 1
 # ClientDisconnected, gunicorn raises its own ParseException).
 BODY_READ_ERRORS = (OSError, ClientDisconnected, GunicornParseError)
 
+# Request validation answers 400 (as OpenAI and vLLM do) with one of these codes, on REST and WS alike; `param`
+# names the field. A wrong JSON type is a bad value too.
+MISSING_FIELD = "missing_field"  # a required field is absent (or null)
+INVALID_VALUE = "invalid_value"  # a field of the wrong type, out of range, empty, unknown role...
+UNSUPPORTED_FIELD = "unsupported_field"  # a field this server does not implement (refused, never ignored)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt (plus max_tokens) does not fit the context
+# The engine's generic InvalidRequest code, as the app answers it.
+_VALIDATION_CODES = {"invalid_request": INVALID_VALUE}
+
 # status, OpenAI error type; the first matching class wins
 _STATUS = [
-    (InvalidRequest, 422, "invalid_request_error"),
+    (InvalidRequest, 400, "invalid_request_error"),
     (Overloaded, 429, "rate_limit_error"),
     (NotReady, 503, "server_error"),
     (WorkerFailed, 503, "server_error"),
@@ -42,7 +51,19 @@ class ApiError(Exception):
 
 def from_engine_error(exc: EngineError) -> ApiError:
     status, type_ = next(((s, t) for cls, s, t in _STATUS if isinstance(exc, cls)), (500, "server_error"))
-    return ApiError(status, str(exc), exc.code, getattr(exc, "param", None), type_)
+    return ApiError(status, str(exc), _VALIDATION_CODES.get(exc.code, exc.code), getattr(exc, "param", None), type_)
+
+
+def missing_field(name: str, message: str | None = None) -> ApiError:
+    return ApiError(400, message or f"{name} is required", MISSING_FIELD, name)
+
+
+def invalid_value(name: str, message: str) -> ApiError:
+    return ApiError(400, message, INVALID_VALUE, name)
+
+
+def unsupported_field(name: str, message: str | None = None) -> ApiError:
+    return ApiError(400, message or f"{name} is not supported by this server", UNSUPPORTED_FIELD, name)
 
 
 def from_failed_output(output) -> ApiError:
@@ -64,7 +85,10 @@ def error_response(error: ApiError):
 
 
 def ws_error(client_id, error: ApiError) -> dict:
-    return {"type": "error", "id": client_id, "code": error.code, "message": error.message}
+    frame = {"type": "error", "id": client_id, "code": error.code, "message": error.message}
+    if error.param is not None:  # the field at fault, as REST's `param`
+        frame["param"] = error.param
+    return frame
 
 
 def register_error_handlers(app) -> None:

@@ -7,7 +7,7 @@ from flask import current_app, request
 from engine import InvalidRequest, SamplingParams
 from engine.inputs import check_encodable
 
-from .errors import BODY_READ_ERRORS, ApiError
+from .errors import BODY_READ_ERRORS, ApiError, missing_field
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
@@ -47,7 +47,7 @@ def parse_json_object(raw: bytes | str) -> dict:
 def prompt_field(body: dict, name: str = "prompt") -> str:
     value = body.get(name)
     if value is None:
-        raise InvalidRequest(f"{name} is required", name)
+        raise missing_field(name)
     if not isinstance(value, str):
         raise InvalidRequest(f"{name} must be a string", name)
     if not value.strip():
@@ -58,6 +58,8 @@ def prompt_field(body: dict, name: str = "prompt") -> str:
 
 def prompts_field(body: dict, max_prompts: int, name: str = "prompts") -> list[str]:
     value = body.get(name)
+    if value is None:
+        raise missing_field(name)
     if not isinstance(value, list) or not value:
         raise InvalidRequest(f"{name} must be a non-empty list of strings", name)
     if len(value) > max_prompts:
@@ -67,6 +69,8 @@ def prompts_field(body: dict, max_prompts: int, name: str = "prompts") -> list[s
 
 def messages_field(body: dict) -> list[dict]:
     messages = body.get("messages")
+    if messages is None:
+        raise missing_field("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
     if len(messages) > MAX_MESSAGES:

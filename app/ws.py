@@ -31,7 +31,8 @@ from engine import EngineError, FinishReason, RequestOutput
 from engine.sequence import DeltaEvent
 
 from .api import client_address
-from .errors import ApiError, error_response, from_engine_error, from_failed_output, ws_error
+from .errors import (INVALID_VALUE, ApiError, error_response, from_engine_error, from_failed_output, invalid_value,
+                     missing_field, ws_error)
 from .guards import keys_match
 from .schema import messages_field, parse_json_object, prompt_field, sampling_fields
 from .state import AppState, lockstep
@@ -206,7 +207,7 @@ class SocketSession:
                 case "auth":
                     self._send({"type": "ready"})
                 case other:
-                    raise ApiError(400, f"unknown message type {other!r}; use generate or cancel", "unknown_type",
+                    raise ApiError(400, f"unknown message type {other!r}; use generate or cancel", INVALID_VALUE,
                                    "type")
         except ApiError as exc:
             self._send(ws_error(_printable_id(client_id), exc))
@@ -365,9 +366,10 @@ class GuardedSocket:
 
 def _client_id(message: dict) -> str:
     client_id = message.get("id")
+    if client_id is None:
+        raise missing_field("id")
     if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_LENGTH:
-        raise ApiError(400, f"id must be a non-empty string of at most {MAX_ID_LENGTH} characters", "invalid_id",
-                       "id")
+        raise invalid_value("id", f"id must be a non-empty string of at most {MAX_ID_LENGTH} characters")
     return client_id
 
 

@@ -33,12 +33,12 @@ def post_raw(server, path, raw: str):
 ])
 def test_lone_surrogates_are_a_4xx_naming_the_field(server, path, raw, param):
     status, _, body = post_raw(server, path, raw)
-    assert status == 422 and body["error"]["param"] == param and "surrogate" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == param and "surrogate" in body["error"]["message"]
 
 
 def test_a_prompt_over_the_character_bound_is_context_length_exceeded(server):
     status, _, body = http("POST", server.url + "/tokenize", {"prompt": "a " * 20000})
-    assert status == 422 and body["error"]["code"] == "context_length_exceeded"
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert body["error"]["param"] == "prompt"
     assert http("POST", server.url + "/tokenize", {"prompt": "a " * 100})[0] == 200
 
@@ -55,8 +55,8 @@ def test_a_lone_surrogate_frame_is_an_error_and_the_socket_stays_usable(server):
         client.send(f'{{"type": "generate", "id": "a", "prompt": "{LONE_SURROGATE}"}}')
         client.send(f'{{"type": "generate", "id": "b", "messages": [{{"role": "user", "content": "x{LONE_SURROGATE}"}}]}}')
         errors = [client.recv(), client.recv()]
-        assert [(e["type"], e["id"], e["code"]) for e in errors] == [("error", "a", "invalid_request"),
-                                                                     ("error", "b", "invalid_request")]
+        assert [(e["type"], e["id"], e["code"]) for e in errors] == [("error", "a", "invalid_value"),
+                                                                     ("error", "b", "invalid_value")]
         client.generate("c", prompt="Hello", max_tokens=3, ignore_eos=True)
         assert client.collect(["c"])["c"]["final"]["usage"]["completion_tokens"] == 3
     finally:
@@ -73,7 +73,7 @@ def test_bursts_of_huge_prompts_leave_memory_flat(smol_server):
     rss = RssSampler()
     for _ in range(4):
         statuses = burst(smol_server, [over] * 32 + [under] * 16)
-        assert statuses.count(422) == 32 and statuses.count(200) + statuses.count(429) == 16
+        assert statuses.count(400) == 32 and statuses.count(200) + statuses.count(429) == 16
         assert statuses.count(200) >= 4  # a few 429 (tokenizer queue full) are fine; none is a 500
         rss.mark_burst_end()
     rss.stop()

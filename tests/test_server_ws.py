@@ -48,14 +48,15 @@ def test_cancel_gives_done_with_abort(client):
 
 @pytest.mark.parametrize("frame, code", [
     ("not json", "invalid_json"),
-    ('{"type": "dance", "id": "x"}', "unknown_type"),
-    ('{"type": "generate", "id": "x"}', "invalid_request"),
-    ('{"type": "generate", "id": "x", "prompt": "hi", "temperature": -1}', "invalid_request"),
-    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": 0}', "invalid_request"),
-    ('{"type": "generate", "prompt": "hi"}', "invalid_id"),
+    ('{"type": "dance", "id": "x"}', "invalid_value"),
+    ('{"type": "generate", "id": "x"}', "missing_field"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "temperature": -1}', "invalid_value"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "max_tokens": 0}', "invalid_value"),
+    ('{"type": "generate", "prompt": "hi"}', "missing_field"),
+    ('{"type": "generate", "id": 7, "prompt": "hi"}', "invalid_value"),
     ('{"type": "cancel", "id": "nobody"}', "unknown_id"),
     ("[" * 3000 + "]" * 3000, "invalid_json"),
-    ('{"type": "generate", "id": "x", "prompt": "hi", "top_p": ' + "9" * 400 + "}", "invalid_request"),
+    ('{"type": "generate", "id": "x", "prompt": "hi", "top_p": ' + "9" * 400 + "}", "invalid_value"),
     ('{"type": "generate", "id": "x", "prompt": "' + "word " * 300 + '"}', "context_length_exceeded"),
 ])
 def test_bad_messages_get_an_error_and_the_socket_stays_usable(client, frame, code):
