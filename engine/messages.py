@@ -25,13 +25,47 @@ class WorkerSampling:
     seed: int | None = None
     max_tokens: int = 16
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    # Logits processors, in vLLM's order and semantics (see backends/sampler.py); the defaults change nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (the parent's EOS set)
+    # Log-probabilities: None = none; k = the sampled token's and the k most likely (top_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # echo: each prompt token's logprob (the first has none) and the top k
+    json_schema: str | None = None  # JSON mode: the schema (JSON text) the output must match (backends/constrained.py)
+
+    @property
+    def has_processors(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 @dataclass(frozen=True)
 class NewRequest:
+    """A prompt to prefill once. With `sample_ids` (n > 1, best_of) every id is a sample of its own that
+    forks from the shared prompt cache; without, `request_id` is the one sample."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: WorkerSampling
+    sample_ids: tuple[str, ...] = ()
+
+    @property
+    def all_sample_ids(self) -> tuple[str, ...]:
+        return self.sample_ids or (self.request_id,)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability (of the model's raw distribution: see backends/sampler.py) and the
+    `top` most likely (token id, logprob) pairs there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +113,9 @@ class StepOutput:
 
     new_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    # Only for requests that asked: one entry per new token; the prompt's once, with its first token.
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
 from ..memory import release_freed_memory
-from ..messages import ModelInfo, NewRequest, StepOutput
+from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
-from .sampler import TokenSampler
+from .constrained import GrammarCompiler
+from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice
 MIN_CHUNK_TOKENS = 16
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
+PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
 
 
 @dataclass
@@ -55,12 +57,14 @@ class Row:
 
 @dataclass
 class Prefill:
-    """A new request whose prompt is being fed, chunk by chunk, into a cache of its own."""
+    """A new request whose prompt is being fed, chunk by chunk, into a cache of its own. Its samples (one, or
+    n / best_of) fork from that cache when the prompt is done."""
 
     request: NewRequest
-    sampler: TokenSampler
+    samplers: dict[str, TokenSampler]  # sample id -> its sampler
     cache: DynamicCache
     num_computed: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: gathered chunk by chunk
 
     @property
     def num_left(self) -> int:
@@ -85,31 +89,36 @@ class HFBackend(Backend):
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
             eos_token_ids=_eos_token_ids(self.model))
+        self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
+                                        self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens", self.info.dtype,
                     self.device, torch.get_num_threads(), self.prefill_chunk_tokens)
 
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
-        failed: dict[str, str] = {}
+        output = StepOutput()
         self._free(set(finished_ids))
         for request in new_requests:
-            self._queue_prefill(request, failed)
-        new_token_ids = self._decode(failed) if self.rows else {}
-        new_token_ids.update(self._prefill_chunks(failed))
-        return StepOutput(new_token_ids, failed)
+            self._queue_prefill(request, output.failed)
+        if self.rows:
+            output.new_token_ids.update(self._decode(output))
+        output.new_token_ids.update(self._prefill_chunks(output))
+        return output
 
     def close(self) -> None:
-        self._free({row.request_id for row in self.rows} | {p.request.request_id for p in self.prefills})
+        self._free({row.request_id for row in self.rows} | {i for p in self.prefills for i in p.samplers})
 
     def _queue_prefill(self, request: NewRequest, failed: dict[str, str]) -> None:
         try:
-            sampler = TokenSampler(request.sampling, self.device)
+            samplers = dict(zip(request.all_sample_ids, samplers_for(request, self.device, grammars=self.grammars)))
         except REQUEST_ERRORS as exc:
-            failed[request.request_id] = _describe(exc)
+            failed.update(dict.fromkeys(request.all_sample_ids, _describe(exc)))
             return
-        self.prefills.append(Prefill(request, sampler, DynamicCache()))
+        echo = [None] if request.sampling.prompt_logprobs is not None else None  # the first token has none
+        self.prefills.append(Prefill(request, samplers, DynamicCache(), prompt_logprobs=echo))
 
-    def _decode(self, failed: dict[str, str]) -> dict[str, tuple[int]]:
+    def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
+        failed = output.failed
         input_ids = torch.tensor([[row.last_token_id] for row in self.rows], device=self.device)  # [B, 1]
         position_ids = torch.tensor([[row.num_tokens] for row in self.rows], device=self.device)  # [B, 1]
         ones = torch.ones_like(input_ids)
@@ -125,12 +134,15 @@ class HFBackend(Backend):
             row = self.rows[i]
             row.last_token_id = token_id
             new_token_ids[row.request_id] = (token_id,)
+            if (entry := row.sampler.accept(token_id)) is not None:
+                output.logprobs[row.request_id] = (entry,)
         self._free(set(failed))
         return new_token_ids
 
-    def _prefill_chunks(self, failed: dict[str, str]) -> dict[str, tuple[int]]:
+    def _prefill_chunks(self, output: StepOutput) -> dict[str, tuple[int]]:
         """Feed prompt chunks within this step's budget, fewest tokens left first; finished prompts join.
         Beside decoding rows the budget is also one of time, so the streams' next token is not held up."""
+        failed = output.failed
         budget, first_token_ids = self.prefill_chunk_tokens, {}
         deadline = float("inf")
         self.prefills = deque(sorted(self.prefills, key=lambda p: p.num_left))
@@ -142,22 +154,37 @@ class HFBackend(Backend):
                 break
             prefill = self.prefills[0]
             num_tokens = min(budget, self._chunk_size(prefill, seconds_left))
+            if prefill.prompt_logprobs is not None:
+                num_tokens = min(num_tokens, PROMPT_LOGPROBS_CHUNK_TOKENS)
             budget -= num_tokens
             try:
                 logits = self._prefill_chunk(prefill, num_tokens)
             except REQUEST_ERRORS as exc:
                 logger.exception("prefill of %s failed", prefill.request.request_id)
-                failed[prefill.request.request_id] = _describe(exc)
+                failed.update(dict.fromkeys(prefill.samplers, _describe(exc)))
                 self.prefills.popleft()
                 continue
             if prefill.num_left == 0:
                 self.prefills.popleft()
-                request_id = prefill.request.request_id
-                if (token := self._sample(request_id, prefill.sampler, logits, failed)) is not None:
-                    token_id = int(token)  # once per prompt, not per step
-                    first_token_ids[request_id] = (token_id,)
-                    if prefill.request.sampling.max_tokens > 1:  # else it is done: no need to pad the batch to it
-                        self._join_batch(prefill, token_id)
+                first_token_ids.update(self._first_tokens(prefill, logits, output))
+        return first_token_ids
+
+    def _first_tokens(self, prefill: Prefill, logits: torch.Tensor, output: StepOutput) -> dict[str, tuple[int]]:
+        """Each sample's first token from the prompt's last logits; the samples that go on join the batch,
+        forking the one prompt cache (n > 1, best_of: one prefill for all)."""
+        first_token_ids, rows = {}, []
+        for sample_id, sampler in prefill.samplers.items():
+            if (token := self._sample(sample_id, sampler, logits, output.failed)) is None:
+                continue
+            token_id = int(token)  # once per prompt, not per step
+            first_token_ids[sample_id] = (token_id,)
+            if (entry := sampler.accept(token_id)) is not None:
+                output.logprobs[sample_id] = (entry,)
+            if prefill.prompt_logprobs is not None:
+                output.prompt_logprobs[sample_id] = tuple(prefill.prompt_logprobs)
+            rows.append(Row(sample_id, sampler, prefill.num_computed, token_id))
+        if rows and prefill.request.sampling.max_tokens > 1:  # else they are done: no need to pad the batch to them
+            self._join_batch(prefill, rows)
         return first_token_ids
 
     def _chunk_size(self, prefill: Prefill, seconds_left: float) -> int:
@@ -177,11 +204,16 @@ class HFBackend(Backend):
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, C]
         attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
         started = time.perf_counter()
-        logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache)  # [1, V]
+        echo = prefill.prompt_logprobs is not None
+        logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache, all_positions=echo)
         elapsed = time.perf_counter() - started
         self._record_chunk_cost(elapsed, _cost_units(start, num_tokens))
         logger.debug("prefill %s: tokens %d-%d in %.3f s", prefill.request.request_id, start, end, elapsed)
         prefill.num_computed = end
+        if echo:  # logits: [1, C, V]; position i predicts prompt token i + 1
+            prefill.prompt_logprobs += prompt_logprobs(logits[0], list(prefill.request.prompt_token_ids[start + 1:end + 1]),
+                                                       prefill.request.sampling.prompt_logprobs)
+            return logits[0, -1]
         return logits[0]
 
     def _record_chunk_cost(self, seconds: float, units: float) -> None:
@@ -189,16 +221,20 @@ class HFBackend(Backend):
         previous = self.seconds_per_cost_unit
         self.seconds_per_cost_unit = measured if previous is None else 0.7 * previous + 0.3 * measured
 
-    def _join_batch(self, prefill: Prefill, first_token_id: int) -> None:
-        row = Row(prefill.request.request_id, prefill.sampler, prefill.num_computed, first_token_id)
-        mask = torch.ones((1, prefill.num_computed), dtype=torch.long, device=self.device)
-        self._merge([row], prefill.cache, mask)
+    def _join_batch(self, prefill: Prefill, rows: list[Row]) -> None:
+        mask = torch.ones((len(rows), prefill.num_computed), dtype=torch.long, device=self.device)
+        cache = prefill.cache
+        if len(rows) > 1:  # the samples fork: each row gets its copy of the one prefilled prompt
+            cache = DynamicCache(ddp_cache_data=[(k.repeat(len(rows), 1, 1, 1), v.repeat(len(rows), 1, 1, 1))
+                                                 for k, v in _kv(cache)])
+        self._merge(rows, cache, mask)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        extra = {"logits_to_keep": 1} if self.accepts_logits_to_keep else {}
+    def _forward(self, input_ids, attention_mask, position_ids, cache, all_positions: bool = False) -> torch.Tensor:
+        """The last position's logits [B, V], or with `all_positions` every position's [B, S, V]."""
+        extra = {"logits_to_keep": 0 if all_positions else 1} if self.accepts_logits_to_keep else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True, **extra)
-        return out.logits[:, -1, :]
+        return out.logits if all_positions else out.logits[:, -1, :]
 
     @staticmethod
     def _sample(request_id: str, sampler: TokenSampler, logits: torch.Tensor,
@@ -231,7 +267,9 @@ class HFBackend(Backend):
     def _free(self, finished_ids: set[str]) -> None:
         if not finished_ids:
             return
-        self.prefills = deque(p for p in self.prefills if p.request.request_id not in finished_ids)
+        for prefill in self.prefills:
+            prefill.samplers = {i: s for i, s in prefill.samplers.items() if i not in finished_ids}
+        self.prefills = deque(p for p in self.prefills if p.samplers)
         keep = [i for i, row in enumerate(self.rows) if row.request_id not in finished_ids]
         if len(keep) == len(self.rows):
             return
