@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test setup model chromium nginx vllm ray bench screenshots clean
+.PHONY: serve test setup model chromium nginx vllm ray bench bench-engine llama-cpp screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
@@ -60,8 +60,28 @@ $(RAY_STAMP): $(VLLM_STAMP)
 	$(PIP) install $(VLLM_PIP_FLAGS) 'ray>=2.40'
 	touch $(RAY_STAMP)
 
-bench: setup model
+# The serving comparison (docs/benchmarks.md): lockstep's configurations beside vLLM's and llama.cpp's servers, one
+# after another, then the serving section and its plot rewritten. About 15 minutes; not part of `make test`.
+BENCH_STAMP := $(VENV)/.bench-installed
+bench: setup model vllm llama-cpp $(BENCH_STAMP)
+	$(PY) -m bench compare --docs docs/benchmarks.md $(BENCH_ARGS)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install $(PIP_FLAGS) -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# The engine against raw `model.generate` in-process (bench/throughput.py).
+bench-engine: setup model
 	$(PY) -m bench.throughput $(BENCH_ARGS)
+
+# llama.cpp's OpenAI server, the peer at one client: llama-cpp-python builds llama.cpp from source (about 8 minutes on
+# 2 cores; pip keeps the built wheel in its cache, so a second venv installs it in seconds).
+LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-installed
+llama-cpp: $(LLAMA_CPP_STAMP)
+
+$(LLAMA_CPP_STAMP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install $(PIP_FLAGS) 'llama-cpp-python[server]'
+	touch $(LLAMA_CPP_STAMP)
 
 # Refresh docs/screenshot-*.png from a real browser session (best on an idle machine).
 screenshots: setup model chromium

@@ -1,0 +1,143 @@
+"""Side by side: start each server configuration in turn, run the same sweep, stop it, compare.
+
+    python -m bench compare [--configs hf,hf-static,hf-none,vllm,vllm-server,llama-cpp] [--concurrency 1,8,16]
+        [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--out-dir .cache/bench]
+        [--docs docs/benchmarks.md]
+
+Every configuration gets the same load (bench/serve.py): the built-in prompts, greedy, ignore_eos, closed-loop
+clients (at most N requests in flight, 2 requests per client), then, for the configurations marked so, one request
+each of 64, 256 and 1,024 output tokens alone (the per-token cost as a sequence grows). Servers that are not
+installed are skipped and say so. The ratios compare each lockstep configuration with the best peer (vLLM's or
+llama.cpp's server) measured in the same run. Results: a table on the terminal, compare.json and compare.png in
+--out-dir, and with --docs the serving section of that Markdown file (and its plot beside it) rewritten.
+"""
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from . import serve, serve_data
+from .compare_report import ConfigResult, Plan, Report, describe_machine
+from .peers import SERVED_NAME, ServerConfig, start_server
+
+logger = logging.getLogger(__name__)
+
+CONFIGS = {
+    "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True),
+    "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),)),
+    "hf-none": ServerConfig("lockstep hf, policy none", "lockstep", (("LOCKSTEP_POLICY", "none"),)),
+    "vllm": ServerConfig("lockstep vllm (batch 16)", "lockstep",
+                         (("LOCKSTEP_BACKEND", "vllm"), ("LOCKSTEP_MAX_BATCH_SIZE", "16")), in_length_sweep=True),
+    "vllm-server": ServerConfig("vLLM server", "vllm-server", is_peer=True, in_length_sweep=True),
+    "llama-cpp": ServerConfig("llama.cpp server", "llama-cpp", is_peer=True, in_length_sweep=True),
+}
+STANDARD = "hf,hf-static,hf-none,vllm,vllm-server,llama-cpp"
+READY_TIMEOUT_S = 300
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "bench"
+
+
+def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_dir: Path,
+               show_progress: bool) -> ConfigResult:
+    result = ConfigResult(config, skipped=config.missing())
+    if result.skipped:
+        logger.warning("%s: skipped (%s)", config.name, result.skipped)
+        return result
+    started = time.monotonic()
+    server = start_server(config, model_dir, out_dir / "logs")
+    try:
+        server.wait_ready(READY_TIMEOUT_S)
+        result.ready_s = time.monotonic() - started
+        logger.info("%s: ready in %.0f s", config.name, result.ready_s)
+        _run_sweep(result, server.url, plan, tokenizer, show_progress)
+    except RuntimeError as exc:  # it did not start: the others still run
+        result.skipped = f"failed to start: {str(exc)[:300]}"
+        logger.error("%s: %s", config.name, result.skipped)
+    finally:
+        server.stop()
+    return result
+
+
+def _run_sweep(result: ConfigResult, url: str, plan: Plan, tokenizer, show_progress: bool) -> None:
+    config = result.config
+    sampling = serve.Sampling(temperature=0.0, ignore_eos=True, eos_method=config.eos_method,
+                              banned_token_ids=tuple(sorted(tokenizer.all_special_ids)))
+    points = [(c, plan.output_len, plan.requests_per_client * c) for c in plan.concurrency]
+    if config.in_length_sweep:
+        points += [(1, length, 1) for length in plan.lengths]
+    for index, (clients, output_len, num_requests) in enumerate(points):
+        target = serve.make_target(config.api, url, SERVED_NAME)
+        specs = serve_data.builtin_requests(tokenizer, num_requests, output_len)
+        shape = serve.LoadShape(math.inf, 1.0, clients, plan.max_duration_s)
+        measurement = serve.measure(target, specs, sampling, shape, tokenizer, None, show_progress,
+                                    f"{config.name} x{clients} {output_len} tokens")
+        is_length_point = index >= len(plan.concurrency)
+        if is_length_point:
+            result.lengths[output_len] = measurement.metrics
+        else:
+            result.sweep[clients] = measurement.metrics
+        record = serve.run_record(clients, shape, measurement)
+        result.records.append({**record, "output_len": output_len, "length_sweep": is_length_point})
+        logger.info(serve.table_row(config.name, clients, shape, measurement.metrics))
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default=STANDARD, help=f"comma list of {', '.join(CONFIGS)}")
+    parser.add_argument("--concurrency", default="1,8,16")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--lengths", default="64,256,1024", help="output lengths for the per-token cost (one "
+                                                                "client); empty to skip")
+    parser.add_argument("--max-duration", type=float, default=60.0, help="s per point before no new requests")
+    parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    parser.add_argument("--docs", default=None, help="Markdown file whose serving section is rewritten")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    unknown = [key for key in args.configs.split(",") if key not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}: choose from {', '.join(CONFIGS)}")
+    try:
+        args.plan = Plan(_ints(args.concurrency), args.output_len, _ints(args.lengths), args.max_duration)
+    except ValueError as exc:
+        parser.error(f"--concurrency and --lengths take comma lists of positive integers ({exc})")
+    if args.output_len < 1 or not 0 < args.max_duration < math.inf:
+        parser.error("--output-len must be at least 1 and --max-duration a positive number of seconds")
+    return args
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    if any(v < 1 for v in values):
+        raise ValueError("values must be at least 1")
+    return values
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in (__name__, "bench.peers", "bench.serve"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    started = time.monotonic()
+    out_dir = Path(args.out_dir)
+    model_dir = serve_data.default_model_dir()
+    tokenizer = serve_data.load_tokenizer(model_dir)
+    machine = describe_machine(model_dir)
+    results = [run_config(CONFIGS[key], args.plan, tokenizer, model_dir, out_dir, not args.no_progress)
+               for key in args.configs.split(",")]
+    elapsed = time.monotonic() - started
+    report = Report(args.plan, results, machine, elapsed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.json").write_text(json.dumps(report.as_dict(), indent=1))
+    plot_path = Path(args.docs).parent / "bench-serving.png" if args.docs else out_dir / "compare.png"
+    report.plot(plot_path)
+    logger.info("%s", report.terminal_text())
+    if args.docs:
+        report.write_docs(Path(args.docs), plot_path)
+    logger.info("compare: %d configurations in %.0f s (%s)", len(results), elapsed, out_dir / "compare.json")
+
+if __name__ == "__main__":
+    main()

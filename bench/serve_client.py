@@ -1,0 +1,272 @@
+"""One request to one server over its own protocol, timed as vLLM's benchmark times it (RequestFuncOutput): the
+start, the arrival of the first piece of text (TTFT), the gaps between later pieces (ITL), the end (E2E latency),
+and the text received. A piece is a WebSocket `delta` frame or an SSE chunk with non-empty text.
+
+Three protocols, each callable from many threads at once (every thread keeps its own connection):
+- `LockstepWebSocket`: lockstep's streaming API, /ws (one socket per client thread, reused, like keep-alive);
+- `LockstepRest`: lockstep's /v1/completions, which does not stream: TTFT, TPOT and ITL are not observable;
+- `OpenAiCompletions`: any OpenAI-compatible server's streaming /v1/completions (vLLM's, llama.cpp's, ...).
+"""
+import http.client
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import websocket
+
+from .serve_data import RequestSpec
+from .sse import DONE, iter_event_data, split_lines
+
+logger = logging.getLogger(__name__)
+
+EOS_METHODS = ("field", "logit-bias", "none")  # how `ignore_eos` is asked for (see `Sampling`)
+BANNED_LOGIT_BIAS = -100  # OpenAI's logit_bias range is [-100, 100]; -100 bans a token
+READ_CHUNK_BYTES = 65536
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling fields every request of a run carries. `ignore_eos` makes each request produce its full output
+    length: lockstep and vLLM take `"ignore_eos": true` (eos_method "field"); llama.cpp's server has no such
+    field, so its end-of-generation tokens are banned with `logit_bias` instead ("logit-bias", `banned_token_ids`)."""
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    eos_method: str = "field"
+    banned_token_ids: tuple[int, ...] = ()
+    include_usage: bool = False  # ask an OpenAI server for a final usage chunk (vLLM supports stream_options)
+    extra_body: tuple[tuple[str, object], ...] = ()  # more JSON fields for every request body
+
+    def body_fields(self) -> dict:
+        fields = {"temperature": self.temperature, **dict(self.extra_body)}
+        if self.ignore_eos and self.eos_method == "field":
+            fields["ignore_eos"] = True
+        if self.ignore_eos and self.eos_method == "logit-bias":
+            fields["logit_bias"] = {str(token_id): BANNED_LOGIT_BIAS for token_id in self.banned_token_ids}
+        return fields
+
+
+@dataclass
+class RequestResult:
+    index: int
+    success: bool = False
+    generated_text: str = ""
+    start_time: float = 0.0  # time.perf_counter() when the request started
+    ttft_s: float | None = None  # None: nothing streamed (REST) or nothing arrived
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    is_streaming: bool = True
+    server_output_tokens: int | None = None  # the server's own usage count, where it reports one
+    finish_reason: str | None = None
+    error: str = ""
+
+
+class _Stopwatch:
+    """Timestamps pieces of text as they arrive into a RequestResult."""
+
+    def __init__(self, result: RequestResult):
+        self.result = result
+        self.result.start_time = self.last = time.perf_counter()
+
+    def piece(self, text: str) -> None:
+        if not text:
+            return
+        now = time.perf_counter()
+        if self.result.ttft_s is None:
+            self.result.ttft_s = now - self.result.start_time
+        else:
+            self.result.itl_s.append(now - self.last)
+        self.last = now
+        self.result.generated_text += text
+
+    def stop(self) -> None:
+        self.result.latency_s = time.perf_counter() - self.result.start_time
+
+
+class LockstepWebSocket:
+    api = "lockstep-ws"
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        parts = urlsplit(base_url)
+        self.ws_url = f"{'wss' if parts.scheme == 'https' else 'ws'}://{parts.netloc}/ws"
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._sockets: list[websocket.WebSocket] = []
+        self._lock = threading.Lock()
+
+    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+        result = RequestResult(spec.index)
+        frame = json.dumps({"type": "generate", "id": str(spec.index), "prompt": spec.prompt,
+                            "max_tokens": spec.output_len, **sampling.body_fields()})
+        stopwatch = _Stopwatch(result)
+        try:
+            ws = self._send_frame(frame)
+            self._read_until_finished(ws, stopwatch)
+        except (websocket.WebSocketException, OSError, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            self._drop_socket()  # frames of the failed request may still come; cancel it by closing
+        stopwatch.stop()
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for ws in sockets:
+            ws.close()
+
+    def _send_frame(self, frame: str) -> websocket.WebSocket:
+        """Send on this thread's socket; a socket the server closed while idle is replaced once."""
+        ws = getattr(self._local, "ws", None)
+        if ws is not None:
+            try:
+                ws.send(frame)
+                return ws
+            except (websocket.WebSocketConnectionClosedException, OSError):
+                self._drop_socket()
+        ws = self._connect()
+        ws.send(frame)
+        return ws
+
+    def _connect(self) -> websocket.WebSocket:
+        ws = websocket.create_connection(self.ws_url, timeout=self.timeout_s)
+        self._local.ws = ws
+        with self._lock:
+            self._sockets.append(ws)
+        return ws
+
+    def _drop_socket(self) -> None:
+        ws = getattr(self._local, "ws", None)
+        self._local.ws = None
+        if ws is not None:
+            ws.close()
+
+    @staticmethod
+    def _read_until_finished(ws: websocket.WebSocket, stopwatch: _Stopwatch) -> None:
+        result = stopwatch.result
+        while True:
+            message = json.loads(ws.recv())
+            match message.get("type"):
+                case "delta":
+                    stopwatch.piece(message.get("text", ""))
+                case "done":
+                    result.success = True
+                    result.finish_reason = message.get("finish_reason")
+                    result.server_output_tokens = (message.get("usage") or {}).get("completion_tokens")
+                    return
+                case "error":
+                    result.error = f"{message.get('code')}: {message.get('message')}"
+                    return
+
+
+class _HttpTarget:
+    """Shared by the HTTP protocols: one fresh connection per request (loopback connects cost ~0.1 ms)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        parts = urlsplit(base_url)
+        self.host, self.port, self.is_https = parts.hostname, parts.port, parts.scheme == "https"
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        connection_class = http.client.HTTPSConnection if self.is_https else http.client.HTTPConnection
+        connection = connection_class(self.host, self.port, timeout=self.timeout_s)
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        return connection, connection.getresponse()
+
+    def close(self) -> None:
+        pass
+
+
+class LockstepRest(_HttpTarget):
+    api = "lockstep-rest"
+
+    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+        result = RequestResult(spec.index, is_streaming=False)
+        body = {"prompt": spec.prompt, "max_tokens": spec.output_len, **sampling.body_fields()}
+        stopwatch = _Stopwatch(result)
+        connection = None
+        try:
+            connection, response = self._post("/v1/completions", body)
+            payload = json.loads(response.read())
+            _read_completion(result, response.status, payload)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if connection is not None:
+                connection.close()
+        stopwatch.stop()
+        return result
+
+
+def _read_completion(result: RequestResult, status: int, payload) -> None:
+    if status != 200 or not isinstance(payload, dict) or not payload.get("choices"):
+        result.error = f"HTTP {status}: {_error_text(payload)}"
+        return
+    choice = payload["choices"][0]
+    result.success = True
+    result.generated_text = choice.get("text") or ""
+    result.finish_reason = choice.get("finish_reason")
+    result.server_output_tokens = (payload.get("usage") or {}).get("completion_tokens")
+
+
+class OpenAiCompletions(_HttpTarget):
+    api = "openai"
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0):
+        super().__init__(base_url, timeout_s)
+        self.model = model
+
+    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+        result = RequestResult(spec.index)
+        body = {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "stream": True,
+                **sampling.body_fields()}
+        if sampling.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        stopwatch = _Stopwatch(result)
+        connection = None
+        try:
+            connection, response = self._post("/v1/completions", body)
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {_error_text(_json_or_text(response.read()))}"
+            else:
+                _read_event_stream(response, stopwatch)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if connection is not None:
+                connection.close()
+        stopwatch.stop()
+        return result
+
+
+def _read_event_stream(response: http.client.HTTPResponse, stopwatch: _Stopwatch) -> None:
+    """Pieces from the SSE chunks; success when the stream ends (at [DONE] or EOF) without an error chunk."""
+    result = stopwatch.result
+    chunks = iter(lambda: response.read1(READ_CHUNK_BYTES), b"")
+    for data in iter_event_data(split_lines(chunks)):
+        if data == DONE:
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = f"stream error: {_error_text(chunk)}"
+            return
+        if choices := chunk.get("choices"):
+            stopwatch.piece(choices[0].get("text") or "")
+            result.finish_reason = choices[0].get("finish_reason") or result.finish_reason
+        if usage := chunk.get("usage"):
+            result.server_output_tokens = usage.get("completion_tokens")
+    result.success = True
+
+
+def _json_or_text(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def _error_text(payload) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        return str(payload["error"].get("message"))[:300]
+    return str(payload)[:300]
