@@ -4,6 +4,9 @@ vLLM owns batching, the paged KV cache and sampling; this class only translates 
 Each request is added with `RequestOutputKind.DELTA`, so every engine step reports just the
 token ids it produced. The parent detects EOS and stop strings itself, so no stop strings are
 passed; vLLM still stops on EOS by itself, and the EOS id is included in that last delta.
+Penalties, logit_bias, min_tokens and logprobs map to vLLM's own SamplingParams (its logprobs are the raw
+model's, as the hf backend's). A request's samples (n > 1, best_of) are added as one vLLM request each, with
+seeds seed, seed + 1, ... as vLLM's own parallel sampling does (its prefix cache shares the prompt).
 """
 import glob
 import logging
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..messages import ModelInfo, NewRequest, StepOutput, WorkerSampling
+from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling
 from .base import Backend, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ class VLLMBackend(Backend):
             self.llm.collective_rpc(allocate_pipeline_buffers)
         self.engine = self.llm.llm_engine
         self.running: set[str] = set()  # ids vLLM has not finished; others need no abort
+        self.prompt_logprobs: dict[str, list] = {}  # echo: gathered over prefill chunks until the first token
+        self.sampling: dict[str, WorkerSampling] = {}  # of the running requests that asked for logprobs
         model_config = self.engine.model_config
         self.info = ModelInfo(
             model=model_path, backend="vllm", dtype=str(model_config.dtype).removeprefix("torch."),
@@ -47,10 +52,12 @@ class VLLMBackend(Backend):
                 self._add(request)
             except (ValueError, TypeError) as exc:  # vLLM refused this one request (its params, its length)
                 logger.warning("vLLM refused %s: %s", request.request_id, exc)
-                failed[request.request_id] = f"{type(exc).__name__}: {exc}"
-        if not self.engine.has_unfinished_requests():
-            return StepOutput(failed=failed)
-        return StepOutput(self._collect(self.engine.step()), failed)
+                self._abort(request.all_sample_ids)
+                failed.update(dict.fromkeys(request.all_sample_ids, f"{type(exc).__name__}: {exc}"))
+        output = StepOutput(failed=failed)
+        if self.engine.has_unfinished_requests():
+            self._collect(self.engine.step(), output)
+        return output
 
     def close(self) -> None:
         if self.engine is None:
@@ -63,23 +70,54 @@ class VLLMBackend(Backend):
         # Rendered first: vLLM 0.32 deprecates passing a raw prompt dict to add_request.
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         engine_input = self.engine.renderer.render_cmpl([prompt])[0]
-        self.engine.add_request(request.request_id, engine_input, _sampling_params(request.sampling))
-        self.running.add(request.request_id)
+        for index, sample_id in enumerate(request.all_sample_ids):
+            self.engine.add_request(sample_id, engine_input, _sampling_params(request.sampling, index))
+            self.running.add(sample_id)
+            if request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None:
+                self.sampling[sample_id] = request.sampling
 
     def _abort(self, finished_ids: tuple[str, ...]) -> None:
+        for request_id in finished_ids:
+            self._forget(request_id)
         request_ids = [request_id for request_id in finished_ids if request_id in self.running]
         if request_ids:
             self.engine.abort_request(request_ids)
             self.running.difference_update(request_ids)
 
-    def _collect(self, outputs: list) -> dict[str, tuple[int, ...]]:
-        # A request still in (chunked) prefill has no output this step, so it is absent here.
-        new_token_ids = {}
+    def _collect(self, outputs: list, step: StepOutput) -> None:
+        # A request still in (chunked) prefill has no new tokens this step (maybe prompt logprobs).
         for output in outputs:
-            new_token_ids[output.request_id] = tuple(output.outputs[0].token_ids)
+            request_id, sample = output.request_id, output.outputs[0]
+            if output.prompt_logprobs:
+                self.prompt_logprobs.setdefault(request_id, []).extend(output.prompt_logprobs)
+            if sample.token_ids:
+                step.new_token_ids[request_id] = tuple(sample.token_ids)
+                self._collect_logprobs(request_id, output, step)
             if output.finished:
-                self.running.discard(output.request_id)
-        return new_token_ids
+                self.running.discard(request_id)
+                self._forget(request_id)
+
+    def _collect_logprobs(self, request_id: str, output, step: StepOutput) -> None:
+        sampling, sample = self.sampling.get(request_id), output.outputs[0]
+        if sampling is None:
+            return
+        if sample.logprobs is not None:
+            step.logprobs[request_id] = tuple(_entry(token_id, logprobs, sampling.logprobs)
+                                              for token_id, logprobs in zip(sample.token_ids, sample.logprobs))
+        if request_id in self.prompt_logprobs:
+            step.prompt_logprobs[request_id] = tuple(
+                None if logprobs is None else _entry(token_id, logprobs, sampling.prompt_logprobs)
+                for token_id, logprobs in zip(output.prompt_token_ids, self.prompt_logprobs.pop(request_id)))
+
+    def _forget(self, request_id: str) -> None:
+        self.prompt_logprobs.pop(request_id, None)
+        self.sampling.pop(request_id, None)
+
+
+def _entry(token_id: int, logprobs: dict, num_top: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob(logprob, rank)}: the top `num_top`, plus the chosen token wherever it ranks."""
+    top = sorted(logprobs.items(), key=lambda item: item[1].rank)[:num_top]
+    return TokenLogprob(token_id, logprobs[token_id].logprob, tuple((i, p.logprob) for i, p in top))
 
 
 def allocate_pipeline_buffers(worker) -> None:
@@ -96,15 +134,29 @@ def allocate_pipeline_buffers(worker) -> None:
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
-def _sampling_params(sampling: WorkerSampling):
+def _sampling_params(sampling: WorkerSampling, sample_index: int = 0):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     # temperature 0 makes vLLM greedy; top_k 0 means "disabled" in vLLM too.
     return SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        seed=sampling.seed, max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos, detokenize=False,
-        output_kind=RequestOutputKind.DELTA)
+        seed=None if sampling.seed is None else (sampling.seed + sample_index) % 2**63,
+        max_tokens=sampling.max_tokens, ignore_eos=sampling.ignore_eos, detokenize=False,
+        output_kind=RequestOutputKind.DELTA, structured_outputs=_structured_outputs(sampling),
+        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias) or None,
+        min_tokens=sampling.min_tokens, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs)
+
+
+def _structured_outputs(sampling: WorkerSampling):
+    """JSON mode: vLLM's own structured outputs, with the schema text the hf backend compiles (its
+    `x-guidance` options give both the same grammar: see backends/constrained.py)."""
+    if sampling.json_schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=sampling.json_schema)
 
 
 def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
@@ -113,7 +165,8 @@ def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
         max_model_len=config.max_model_len or None, max_num_seqs=config.max_batch_size,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
-        disable_log_stats=True)
+        disable_log_stats=True,
+        structured_outputs_config={"backend": "guidance"})  # llguidance, as on the hf backend (constrained.py)
     if config.distributed_executor != "auto":
         args["distributed_executor_backend"] = config.distributed_executor
     if device == "cpu":
