@@ -13,8 +13,9 @@ from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput
 
-from .errors import ApiError, from_failed_output, unsupported_field
-from .schema import messages_field, prompt_field, prompts_field, read_json_body, sampling_fields
+from .errors import ApiError, from_failed_output
+from .schema import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts, messages_field,
+                     prompt_field, prompts_field, read_json_body, sampling_fields)
 from .state import lockstep
 
 logger = logging.getLogger(__name__)
@@ -24,12 +25,11 @@ bp = Blueprint("api", __name__)
 CLIENT_CHECK_S = 0.25  # how often a waiting call looks whether its client is still connected
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint uses when max_tokens is absent
-STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
 
 
 @bp.post("/basic_generate")
 def basic_generate():
-    body = read_json_body()
+    body = read_json_body(BASIC_GENERATE)
     output = _run_one(prompt=prompt_field(body), body=body)
     return jsonify(generated_text=output.text, finish_reason=output.finish_reason.value,
                    usage=output.usage.as_dict(), timing=output.timings.as_dict())
@@ -37,7 +37,7 @@ def basic_generate():
 
 @bp.post("/generate")
 def generate():
-    body = read_json_body()
+    body = read_json_body(GENERATE)
     prompts = prompts_field(body, lockstep().max_prompts)
     outputs = _run_many(prompts, body)
     return jsonify(generated_texts=[o.text for o in outputs],
@@ -47,11 +47,9 @@ def generate():
 
 @bp.post("/v1/completions")
 def completions():
-    body = read_json_body()
+    body = read_json_body(COMPLETIONS)
     _refuse_openai_extras(body)
-    prompt = body.get("prompt")
-    prompts = prompts_field(body, lockstep().max_prompts, "prompt") if isinstance(prompt, list) \
-        else [prompt_field(body)]
+    prompts = completion_prompts(body, lockstep().max_prompts)
     outputs = _run_many(prompts, body, OPENAI_DEFAULT_MAX_TOKENS)
     choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason.value}
                for i, o in enumerate(outputs)]
@@ -60,7 +58,7 @@ def completions():
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
-    body = read_json_body()
+    body = read_json_body(CHAT)
     _refuse_openai_extras(body)
     output = _run_one(messages=messages_field(body), body=body)
     choices = [{"index": 0, "message": {"role": "assistant", "content": output.text},
@@ -74,9 +72,18 @@ def models():
     return jsonify(object="list", data=[state.model_card()])
 
 
+@bp.get("/v1/models/<path:model_id>")
+def model(model_id: str):
+    card = lockstep().model_card()
+    if _slashes_merged(model_id) != _slashes_merged(card["id"]):
+        raise ApiError(404, f"no model {model_id[:200]!r} here; GET /v1/models lists the one served",
+                       "model_not_found", "model")
+    return jsonify(card)
+
+
 @bp.post("/tokenize")
 def tokenize():
-    body = read_json_body()
+    body = read_json_body(TOKENIZE)
     engine = lockstep().engine
     if "messages" in body:
         token_ids = engine.encode(messages=messages_field(body))
@@ -97,6 +104,11 @@ def _run_many(prompts: list[str], body: dict, default_max_tokens: int | None = N
     handles = engine.submit_many(prompts, sampling_fields(body, engine, default_max_tokens),
                                  client_id=client_address(), timeout_s=body.get("timeout"))
     return _checked(_wait_while_connected(handles))
+
+
+def _slashes_merged(model_id: str) -> str:
+    """A model id may be a directory; in a URL its slashes are merged (/v1/models//abs/path -> abs/path)."""
+    return "/".join(part for part in model_id.split("/") if part)
 
 
 def client_address() -> str:
@@ -164,8 +176,6 @@ def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
 
 
 def _refuse_openai_extras(body: dict) -> None:
-    if body.get("stream"):
-        raise unsupported_field("stream", STREAM_HINT)
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "invalid_value", "n")
 

@@ -3,7 +3,7 @@ import logging
 
 from flask import jsonify
 from gunicorn.http.errors import ParseException as GunicornParseError
-from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
 from engine.errors import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
                            RequestFailed, WorkerBusy, WorkerFailed)
@@ -101,7 +101,10 @@ def register_error_handlers(app) -> None:
 def _http_error(exc: HTTPException):
     code = (exc.name or "error").lower().replace(" ", "_")
     type_ = "server_error" if (exc.code or 500) >= 500 else "invalid_request_error"
-    return error_response(ApiError(exc.code or 500, exc.description or exc.name, code, type_=type_))
+    response = error_response(ApiError(exc.code or 500, exc.description or exc.name, code, type_=type_))
+    if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+        response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
+    return response
 
 
 def _internal_error(exc):

@@ -1,20 +1,83 @@
-"""Reading request bodies: shared by REST and WebSocket so both refuse the same things the same way."""
+"""Reading request bodies: shared by REST and WebSocket so both refuse the same things the same way.
+
+Every request kind lists the fields it reads; any other field is refused (400 `unsupported_field`, `param` naming
+it), so that no field is silently ignored. OpenAI's optional fields count as absent when null, as OpenAI reads them.
+"""
 import dataclasses
 import json
+from dataclasses import dataclass, field
 
 from flask import current_app, request
 
 from engine import InvalidRequest, SamplingParams
 from engine.inputs import check_encodable
 
-from .errors import BODY_READ_ERRORS, ApiError, missing_field
+from .errors import BODY_READ_ERRORS, ApiError, invalid_value, missing_field, unsupported_field
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "developer")
+ROLE_AS = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_MESSAGES = 256
+MAX_PARAM_CHARS = 64  # a field name echoed back in an error (names are the client's: keep them short)
+STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
+
+# What the engine's SamplingParams reads (including what the sampling and JSON-mode work adds), on every endpoint.
+SAMPLING = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "best_of",
+    "logprobs", "top_logprobs", "response_format",
+})
+# OpenAI fields read for information only (never change the answer), and `stream`, whose only accepted value
+# on REST is false.
+OPENAI_COMMON = frozenset({"model", "user", "metadata", "store", "stream"})
+# OpenAI fields this server does not implement, with why: refused when given a value (null counts as absent).
+NOT_IMPLEMENTED = {
+    "tools": "tools (function calling) are not supported; send no tools or an empty list",
+    "tool_choice": "tool_choice is not supported (only \"none\"): this server does not call tools",
+    "functions": "functions (function calling) are not supported",
+    "function_call": "function_call is not supported: this server does not call functions",
+    "parallel_tool_calls": "parallel_tool_calls is not supported: this server does not call tools",
+    "suffix": "suffix (insertion) is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "modalities are not supported: this server answers text only",
+    "stream_options": "stream_options apply to streaming, which REST does not serve (use the WebSocket at /ws)",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported by this model",
+    "web_search_options": "web search is not supported",
+    "service_tier": "service_tier is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported",
+    "safety_identifier": "safety_identifier is not supported",
+    "verbosity": "verbosity is not supported",
+}
+# Values of an unimplemented field that mean "not used" and so are accepted.
+NOT_USED = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,)}
+# Message fields that only carry tool calls or outputs: accepted when null or empty, like the SDK sends them.
+MESSAGE_TOOL_FIELDS = ("tool_calls", "function_call", "audio", "refusal", "annotations", "tool_call_id")
 
 
-def read_json_body() -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it (413 when too large)."""
+@dataclass(frozen=True)
+class RequestShape:
+    """The fields one kind of request reads; `aliases` name another spelling of a field (OpenAI renamed some)."""
+
+    name: str
+    fields: frozenset
+    aliases: dict = field(default_factory=dict)
+
+    def accepts(self, name: str) -> bool:
+        return name in self.fields or name in self.aliases
+
+
+BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING | {"prompt"})
+GENERATE = RequestShape("/generate", SAMPLING | {"prompts"})
+COMPLETIONS = RequestShape("/v1/completions", SAMPLING | OPENAI_COMMON | {"prompt", "echo"})
+CHAT = RequestShape("/v1/chat/completions", SAMPLING | OPENAI_COMMON | {"messages"},
+                    aliases={"max_completion_tokens": "max_tokens"})
+TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}))
+WS_GENERATE = RequestShape("a generate frame", SAMPLING | {"type", "id", "prompt", "messages"})
+
+
+def read_json_body(shape: RequestShape | None = None) -> dict:
+    """The request body as a JSON object, or a 400 that says what is wrong with it (413 when too large).
+    With a `shape`, its fields are checked (see `checked_fields`)."""
     if request.mimetype != "application/json":
         raise ApiError(400, "send a JSON body with Content-Type: application/json", "invalid_content_type")
     try:
@@ -25,7 +88,8 @@ def read_json_body() -> dict:
     # (werkzeug stops a chunked body at the limit without an error).
     if len(raw) >= current_app.config["MAX_CONTENT_LENGTH"]:
         raise ApiError(413, "the request body is too large", "request_entity_too_large")
-    return parse_json_object(raw)
+    body = parse_json_object(raw)
+    return body if shape is None else checked_fields(body, shape)
 
 
 def parse_json_object(raw: bytes | str) -> dict:
@@ -43,6 +107,51 @@ def parse_json_object(raw: bytes | str) -> dict:
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     return body
 
+
+# -- which fields ---------------------------------------------------------------------------------------------
+
+def checked_fields(body: dict, shape: RequestShape) -> dict:
+    """The body with aliases resolved, or a 400 for the first field `shape` does not read, an unimplemented
+    OpenAI field, `stream: true`, or an alias that disagrees with the field it stands for."""
+    for name, value in body.items():
+        _check_field(name, value, shape)
+    return _resolve_aliases(body, shape)
+
+
+def _check_field(name: str, value, shape: RequestShape) -> None:
+    if name in NOT_IMPLEMENTED:
+        if value is None or any(value == used and type(value) is type(used) for used in NOT_USED.get(name, ())):
+            return
+        raise unsupported_field(name, NOT_IMPLEMENTED[name])
+    if not shape.accepts(name):
+        shown = _shown_name(name)
+        raise unsupported_field(shown, f"unknown field {shown!r}: {shape.name} does not read it")
+    if name == "stream" and value not in (None, False):
+        if value is not True:
+            raise invalid_value("stream", "stream must be true or false")
+        raise unsupported_field("stream", STREAM_HINT)
+    if name in ("model", "user") and value is not None and not isinstance(value, str):
+        raise invalid_value(name, f"{name} must be a string")
+    if name == "store" and value not in (None, False):
+        raise unsupported_field("store", "store is not supported: this server keeps no completions (send false)")
+
+
+def _resolve_aliases(body: dict, shape: RequestShape) -> dict:
+    for alias, name in shape.aliases.items():
+        if body.get(alias) is None:
+            continue
+        if body.get(name) is not None and body[name] != body[alias]:
+            raise invalid_value(alias, f"{alias} and {name} are the same limit: send one, or the same value")
+        body = {**{k: v for k, v in body.items() if k != alias}, name: body[alias]}
+    return body
+
+
+def _shown_name(name: str) -> str:
+    """A field name fit to echo back: at most MAX_PARAM_CHARS characters, lone surrogates replaced."""
+    return name[:MAX_PARAM_CHARS].encode("utf-8", "replace").decode("utf-8")
+
+
+# -- prompts --------------------------------------------------------------------------------------------------
 
 def prompt_field(body: dict, name: str = "prompt") -> str:
     value = body.get(name)
@@ -67,7 +176,35 @@ def prompts_field(body: dict, max_prompts: int, name: str = "prompts") -> list[s
     return [prompt_field({name: p}, name) for p in value]
 
 
+def completion_prompts(body: dict, max_prompts: int) -> list[str | list[int]]:
+    """/v1/completions' `prompt`, as OpenAI takes it: a string, a list of strings, a list of token ids, or a list
+    of token-id lists. Token ids are checked against the vocabulary by the engine."""
+    value = body.get("prompt")
+    if not isinstance(value, list):
+        return [prompt_field(body)]
+    if value and all(_is_int(i) for i in value):
+        return [value]
+    if value and all(isinstance(p, list) for p in value):
+        if len(value) > max_prompts:
+            raise InvalidRequest(f"at most {max_prompts} prompts per request", "prompt")
+        if not all(p and all(_is_int(i) for i in p) for p in value):
+            raise InvalidRequest("each token-id prompt must be a non-empty list of integers", "prompt")
+        return value
+    if value and any(_is_int(p) or isinstance(p, list) for p in value):
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists (not a mix)", "prompt")
+    return prompts_field(body, max_prompts, "prompt")
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+# -- chat messages --------------------------------------------------------------------------------------------
+
 def messages_field(body: dict) -> list[dict]:
+    """The messages as {role, content} with plain-text content: `developer` becomes `system`, text parts are
+    joined, a message's `name` is accepted and not used (the chat template has no place for it)."""
     messages = body.get("messages")
     if messages is None:
         raise missing_field("messages")
@@ -75,17 +212,70 @@ def messages_field(body: dict) -> list[dict]:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages", "messages")
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLES \
-                or not isinstance(message.get("content"), str):
-            raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and a string content",
-                                 "messages")
-    for index, message in enumerate(messages):
+    plain = [_plain_message(message, index) for index, message in enumerate(messages)]
+    for index, message in enumerate(plain):
         check_encodable(message["content"], "messages", f"messages[{index}].content")
-    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+    if not any(m["content"].strip() for m in plain if m["role"] == "user"):
         raise InvalidRequest("messages need at least one non-empty user message", "messages")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return plain
 
+
+def _plain_message(message, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        if isinstance(message, dict) and message.get("role") == "tool":
+            raise unsupported_field("messages", f"{where}: tool messages are not supported (no tool calls here)")
+        raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and a content; {where} has none",
+                             "messages")
+    for name, value in message.items():
+        _check_message_field(name, value, where)
+    return {"role": ROLE_AS.get(message["role"], message["role"]), "content": _content_text(message, where)}
+
+
+def _check_message_field(name: str, value, where: str) -> None:
+    if name in ("role", "content"):
+        return
+    if name == "name":
+        if not isinstance(value, str):
+            raise invalid_value("messages", f"{where}.name must be a string")
+        return
+    if name in MESSAGE_TOOL_FIELDS:
+        if value is not None and value != []:
+            raise unsupported_field("messages", f"{where}.{name} is not supported: this server does not call tools "
+                                                "nor produce audio")
+        return
+    raise unsupported_field("messages", f"{where}: unknown message field {_shown_name(name)!r}")
+
+
+def _content_text(message: dict, where: str) -> str:
+    """A string content as it is; a list of text parts joined by newlines (as vLLM does); anything else refused.
+    A null content would only make sense beside tool calls, which this server does not make."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise invalid_value("messages", f"{where}.content is null: this server needs text in every message "
+                                        "(a null content only goes with tool calls, which it does not support)")
+    if not isinstance(content, list) or not content:
+        raise invalid_value("messages", f"{where}.content must be a string or a non-empty list of text parts")
+    return "\n".join(_text_part(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+
+
+def _text_part(part, where: str) -> str:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise invalid_value("messages", f"{where} must be an object with a type")
+    if part["type"] != "text":
+        raise unsupported_field("messages", f"{where} is a {_shown_name(part['type'])!r} part; only text parts "
+                                            "are supported")
+    if not isinstance(part.get("text"), str):
+        raise invalid_value("messages", f"{where}.text must be a string")
+    extra = set(part) - {"type", "text"}
+    if extra:
+        raise unsupported_field("messages", f"{where}: unknown part field {_shown_name(sorted(extra)[0])!r}")
+    return part["text"]
+
+
+# -- sampling -------------------------------------------------------------------------------------------------
 
 def sampling_fields(body: dict, engine, default_max_tokens: int | None = None) -> SamplingParams:
     params = SamplingParams.from_request(body, engine.config.max_stop_strings)

@@ -34,7 +34,7 @@ from .api import client_address
 from .errors import (INVALID_VALUE, ApiError, error_response, from_engine_error, from_failed_output, invalid_value,
                      missing_field, ws_error)
 from .guards import keys_match
-from .schema import messages_field, parse_json_object, prompt_field, sampling_fields
+from .schema import WS_GENERATE, checked_fields, messages_field, parse_json_object, prompt_field, sampling_fields
 from .state import AppState, lockstep
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class SocketSession:
         if client_id in self.request_ids:
             raise ApiError(409, f"a request with id {client_id!r} is already running on this socket", "duplicate_id",
                            "id")
+        message = checked_fields(message, WS_GENERATE)
         if "messages" in message:
             prompt, messages = None, messages_field(message)
         else:

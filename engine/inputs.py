@@ -82,10 +82,13 @@ class InputProcessor:
 
     # -- the three kinds of input -----------------------------------------------------------------------
 
-    def process(self, prompt: str | None = None, messages: list[dict] | None = None,
+    def process(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                 prompt_token_ids: list[int] | None = None) -> list[int]:
+        """`prompt` is text, or token ids as OpenAI's completions take them (checked like `prompt_token_ids`)."""
         if prompt_token_ids is not None:
             return self.check_token_ids(prompt_token_ids)
+        if isinstance(prompt, list):
+            return self.check_token_ids(prompt, "prompt")
         if messages is not None:
             return self.encode_chat(messages)
         return self.encode_prompt(prompt)
@@ -112,11 +115,14 @@ class InputProcessor:
                 return self._encode_unsplit(messages, contents)
             return self._encode_pieces(pieces)
 
-    def check_token_ids(self, token_ids: list[int]) -> list[int]:
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt_token_ids") -> list[int]:
         if not isinstance(token_ids, list) or not token_ids:
-            raise InvalidRequest("prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids")
-        if not all(type(i) is int and 0 <= i < self._vocab_size for i in token_ids):
-            raise InvalidRequest(f"prompt_token_ids must be integers in [0, {self._vocab_size})", "prompt_token_ids")
+            raise InvalidRequest(f"{param} must be a non-empty list of token ids", param)
+        bad = next((index for index, i in enumerate(token_ids)
+                    if type(i) is not int or not 0 <= i < self._vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{param} must hold integer token ids in [0, {self._vocab_size}) (this model's "
+                                 f"vocabulary); {param}[{bad}] is {repr(token_ids[bad])[:32]}", param)
         return list(token_ids)
 
     # -- checks before tokenizing ---------------------------------------------------------------------------
