@@ -211,8 +211,9 @@ class HFBackend(Backend):
         logger.debug("prefill %s: tokens %d-%d in %.3f s", prefill.request.request_id, start, end, elapsed)
         prefill.num_computed = end
         if echo:  # logits: [1, C, V]; position i predicts prompt token i + 1
-            next_token_ids = list(prefill.request.prompt_token_ids[start + 1:end + 1])
-            prefill.prompt_logprobs += prompt_logprobs(logits[0], next_token_ids, prefill.request.sampling.prompt_logprobs)
+            request = prefill.request
+            next_token_ids = list(request.prompt_token_ids[start + 1:end + 1])
+            prefill.prompt_logprobs += prompt_logprobs(logits[0], next_token_ids, request.sampling.prompt_logprobs)
             return logits[0, -1]
         return logits[0]
 
