@@ -63,13 +63,17 @@ def parse_response_format(value) -> str | None:
     return schema_text
 
 
-def refuse_conflicts(stop: tuple[str, ...], ignore_eos: bool) -> None:
-    """Settings that would end JSON output early or run it past its end."""
+def refuse_conflicts(stop: tuple[str, ...], ignore_eos: bool, min_tokens: int = 0) -> None:
+    """Settings that would end JSON output early or hold it past its end (once the JSON is complete only EOS
+    is allowed: min_tokens or ignore_eos would leave no token to draw)."""
     if stop:
         raise InvalidRequest("stop strings cannot be combined with response_format: they would cut the JSON "
                              "short (the output ends by itself when the JSON is complete)", PARAM)
     if ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with response_format: the output ends when the "
+                             "JSON is complete", PARAM)
+    if min_tokens:
+        raise InvalidRequest("min_tokens cannot be combined with response_format: the output ends when the "
                              "JSON is complete", PARAM)
 
 
@@ -199,11 +203,6 @@ class JsonConstraint:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.bitmask = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)  # bit i: token i allowed
-
-    @property
-    def is_complete(self) -> bool:
-        """The output so far is a whole document (EOS is allowed)."""
-        return self.matcher.is_accepting()
 
     def mask(self, logits):
         """`logits` [V] with every token the grammar does not allow next set to -inf."""
