@@ -11,8 +11,9 @@ import uuid
 
 from flask import Blueprint, g, jsonify, request
 
-from engine import FinishReason, RequestHandle, RequestOutput
+from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams
 
+from .choices import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
 from .schema import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts, messages_field,
                      prompt_field, prompts_field, read_json_body, sampling_fields)
@@ -30,39 +31,47 @@ OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint uses when m
 @bp.post("/basic_generate")
 def basic_generate():
     body = read_json_body(BASIC_GENERATE)
-    output = _run_one(prompt=prompt_field(body), body=body)
+    prompt = prompt_field(body)
+    sampling = sampling_fields(body, lockstep().engine)
+    output = _run_one(prompt=prompt, body=body, sampling=sampling)
+    extra = {}
+    if sampling.n > 1 or sampling.logprobs is not None:
+        extra["choices"] = sample_choices(output, sampling, lockstep().engine.token_texts)
     return jsonify(generated_text=output.text, finish_reason=output.finish_reason.value,
-                   usage=output.usage.as_dict(), timing=output.timings.as_dict())
+                   usage=output.usage.as_dict(), timing=output.timings.as_dict(), **extra)
 
 
 @bp.post("/generate")
 def generate():
     body = read_json_body(GENERATE)
     prompts = prompts_field(body, lockstep().max_prompts)
-    outputs = _run_many(prompts, body)
+    sampling = sampling_fields(body, lockstep().engine)
+    outputs = _run_many(prompts, body, sampling=sampling)
+    extra = {}
+    if sampling.n > 1 or sampling.logprobs is not None:  # per prompt, its samples
+        extra["choices"] = [sample_choices(o, sampling, lockstep().engine.token_texts) for o in outputs]
     return jsonify(generated_texts=[o.text for o in outputs],
                    finish_reasons=[o.finish_reason.value for o in outputs],
-                   usage=_total_usage(outputs))
+                   usage=_total_usage(outputs), **extra)
 
 
 @bp.post("/v1/completions")
 def completions():
     body = read_json_body(COMPLETIONS)
-    _refuse_openai_extras(body)
     prompts = completion_prompts(body, lockstep().max_prompts)
-    outputs = _run_many(prompts, body, OPENAI_DEFAULT_MAX_TOKENS)
-    choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason.value}
-               for i, o in enumerate(outputs)]
+    sampling = sampling_fields(body, lockstep().engine, OPENAI_DEFAULT_MAX_TOKENS)
+    outputs = _run_many(prompts, body, sampling=sampling)
+    choices = completion_choices(outputs, prompts, sampling, lockstep().engine.token_texts)
     return jsonify(_openai_envelope("cmpl", "text_completion", choices, outputs))
 
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
     body = read_json_body(CHAT)
-    _refuse_openai_extras(body)
-    output = _run_one(messages=messages_field(body), body=body)
-    choices = [{"index": 0, "message": {"role": "assistant", "content": output.text},
-                "logprobs": None, "finish_reason": output.finish_reason.value}]
+    messages = messages_field(body)
+    sampling = sampling_fields(body, lockstep().engine)
+    output = _run_one(messages=messages, body=body, sampling=sampling)
+    choices = chat_choices(output, sampling, lockstep().engine.token_texts)
     return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
 
 
@@ -92,17 +101,17 @@ def tokenize():
     return jsonify(tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len)
 
 
-def _run_one(body: dict, prompt: str | None = None, messages: list | None = None) -> RequestOutput:
+def _run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
+             messages: list | None = None) -> RequestOutput:
     engine = lockstep().engine
-    handle = engine.submit(prompt, sampling_fields(body, engine), messages=messages, client_id=client_address(),
+    handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(),
                            timeout_s=body.get("timeout"))
     return _checked(_wait_while_connected([handle]))[0]
 
 
-def _run_many(prompts: list[str], body: dict, default_max_tokens: int | None = None) -> list[RequestOutput]:
+def _run_many(prompts: list[str], body: dict, sampling: SamplingParams) -> list[RequestOutput]:
     engine = lockstep().engine
-    handles = engine.submit_many(prompts, sampling_fields(body, engine, default_max_tokens),
-                                 client_id=client_address(), timeout_s=body.get("timeout"))
+    handles = engine.submit_many(prompts, sampling, client_id=client_address(), timeout_s=body.get("timeout"))
     return _checked(_wait_while_connected(handles))
 
 
@@ -173,11 +182,6 @@ def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if output.finish_reason is FinishReason.ERROR:
             raise from_failed_output(output)
     return outputs
-
-
-def _refuse_openai_extras(body: dict) -> None:
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "invalid_value", "n")
 
 
 def _total_usage(outputs: list[RequestOutput]) -> dict:

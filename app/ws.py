@@ -27,10 +27,11 @@ from simple_websocket import ConnectionClosed, Server
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError
 
-from engine import EngineError, FinishReason, RequestOutput
+from engine import EngineError, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 from engine.sequence import DeltaEvent
 
 from .api import client_address
+from .choices import chat_logprob_content
 from .errors import (INVALID_VALUE, ApiError, error_response, from_engine_error, from_failed_output, invalid_value,
                      missing_field, ws_error)
 from .guards import keys_match
@@ -123,6 +124,7 @@ class SocketSession:
         self.inbox: queue.Queue = queue.Queue()
         self.client_ids: dict[str, str] = {}  # engine request id -> client id
         self.request_ids: dict[str, str] = {}  # client id -> engine request id
+        self.samplings: dict[str, SamplingParams] = {}  # engine request id -> what it asked for (n, logprobs)
         self.is_open = True
         self.opened_at = self.last_activity = time.monotonic()
 
@@ -181,8 +183,8 @@ class SocketSession:
             case ClientFrame(data):
                 self.last_activity = time.monotonic()
                 self._on_frame(data)
-            case DeltaEvent(request_id, text):
-                self._send({"type": "delta", "id": self.client_ids.get(request_id), "text": text})
+            case DeltaEvent():
+                self._send(self._delta_frame(item))
             case RequestOutput():
                 self.last_activity = time.monotonic()
                 self._on_finished(item)
@@ -243,11 +245,25 @@ class SocketSession:
         else:
             prompt, messages = prompt_field(message), None
         sampling = sampling_fields(message, self.engine)
+        if sampling.num_samples > sampling.n:
+            raise InvalidRequest("best_of cannot be streamed (the samples not returned would be); use REST",
+                                 "best_of")
         request_id = f"ws-{uuid.uuid4().hex[:12]}"
         self.engine.submit(prompt, sampling, messages=messages, request_id=request_id, sink=self.inbox,
                            client_id=self.client, timeout_s=message.get("timeout"))
         self.client_ids[request_id], self.request_ids[client_id] = client_id, request_id
+        self.samplings[request_id] = sampling
         self._send({"type": "start", "id": client_id})
+
+    def _delta_frame(self, event: DeltaEvent) -> dict:
+        """`index` with n > 1; `logprobs` (chat's content entries, for the tokens since the last delta) when asked."""
+        frame = {"type": "delta", "id": self.client_ids.get(event.request_id), "text": event.text}
+        sampling = self.samplings.get(event.request_id)
+        if sampling is not None and sampling.n > 1:
+            frame["index"] = event.index
+        if sampling is not None and sampling.logprobs is not None:
+            frame["logprobs"] = chat_logprob_content(event.logprobs, self.engine.token_texts)
+        return frame
 
     def _cancel(self, message: dict) -> None:
         client_id = _client_id(message)
@@ -259,11 +275,15 @@ class SocketSession:
     def _on_finished(self, output: RequestOutput) -> None:
         client_id = self.client_ids.pop(output.request_id, None)
         self.request_ids.pop(client_id, None)
+        sampling = self.samplings.pop(output.request_id, None)
         if output.finish_reason is FinishReason.ERROR:
             self._send(ws_error(client_id, from_failed_output(output)))
         else:
-            self._send({"type": "done", "id": client_id, "finish_reason": output.finish_reason.value,
-                        "usage": output.usage.as_dict(), "timing": output.timings.as_dict()})
+            done = {"type": "done", "id": client_id, "finish_reason": output.finish_reason.value,
+                    "usage": output.usage.as_dict(), "timing": output.timings.as_dict()}
+            if sampling is not None and sampling.n > 1:
+                done["choices"] = [{"index": c.index, "finish_reason": c.finish_reason.value} for c in output.choices]
+            self._send(done)
         logger.info("ws request %s finish=%s tokens=%d e2e_ms=%.0f", output.request_id,
                     output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
 

@@ -13,7 +13,7 @@ import uuid
 
 from .backends import choose_backend
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, TokenTexts
 from .errors import EngineError, InvalidRequest, NotReady, PromptTooLong, WorkerFailed
 from .executor import ModelExecutor
 from .inputs import InputProcessor
@@ -21,7 +21,7 @@ from .messages import ModelInfo
 from .model_store import resolve_model
 from .sampling import SamplingParams
 from .scheduler import RequestObserver, WorkloadManager
-from .sequence import DeltaEvent, RequestOutput, Sequence
+from .sequence import DeltaEvent, RequestOutput, SampleGroup, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,16 @@ class RequestHandle:
         self._output: RequestOutput | None = None
 
     def __iter__(self):
+        """The text deltas (of every sample, for n > 1: `events()` says which)."""
+        for event in self.events():
+            yield event.text
+
+    def events(self):
+        """The DeltaEvents (text, sample index, logprobs) until the request finishes."""
         while self._output is None:
             event = self._next_event(EVENT_WAIT_S)
             if isinstance(event, DeltaEvent):
-                yield event.text
+                yield event
             elif isinstance(event, RequestOutput):
                 self._output = event
 
@@ -79,6 +85,7 @@ class LLMEngine:
                                          observer, self.config.max_queue_per_client,
                                          self.config.max_batch_kv_tokens)
         self.tokenizer = None
+        self.token_texts: TokenTexts | None = None
         self.inputs: InputProcessor | None = None
         self.executor: ModelExecutor | None = None
         self.info: ModelInfo | None = None
@@ -101,6 +108,7 @@ class LLMEngine:
         logger.info("backend %s (%s)", *self.backend_choice)
         model_path = resolve_model(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, lambda: self.max_model_len)
         self.executor = ModelExecutor(self.config, model_path, self.backend_choice[0])
         self._loop_thread = threading.Thread(target=self._run_loop, name="lockstep-scheduler", daemon=True)
@@ -180,16 +188,35 @@ class LLMEngine:
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
-        sampling.validate(self.config.max_stop_strings)
+        self._validate(sampling)
         deadline = time.monotonic() + self._timeout(timeout_s)  # checked before the (costly) tokenization
         token_ids = self.encode(prompt, messages, prompt_token_ids)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         sink = sink if sink is not None else queue.Queue()
-        seq = Sequence(request_id, token_ids, sampling.for_worker(self._max_tokens(sampling, len(token_ids))),
-                       IncrementalDetokenizer(self.tokenizer, sampling.stop), sink,
-                       frozenset() if sampling.ignore_eos else self._eos_token_ids(), client_id, deadline)
-        self.scheduler.add(seq)
+        eos_token_ids = frozenset() if sampling.ignore_eos else self._eos_token_ids()
+        max_tokens = self._max_tokens(sampling, len(token_ids))
+        worker_sampling = sampling.for_worker(max_tokens, tuple(sorted(eos_token_ids)))
+
+        def sequence(seq_id: str, seq_sink, index: int = 0) -> Sequence:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, sampling.stop, worker_sampling.min_tokens)
+            return Sequence(seq_id, token_ids, worker_sampling, detokenizer, seq_sink, eos_token_ids, client_id,
+                            deadline, group_id=request_id, sample_index=index)
+
+        if sampling.num_samples == 1:
+            self.scheduler.add(sequence(request_id, sink))
+        else:
+            group = SampleGroup(request_id, sampling.n, sink)
+            group.sequences = [sequence(f"{request_id}#{i}", group, i) for i in range(sampling.num_samples)]
+            self.scheduler.add_group(group.sequences)
         return RequestHandle(self, request_id, sink)
+
+    def _validate(self, sampling: SamplingParams) -> None:
+        sampling.validate(self.config.max_stop_strings)
+        sampling.check_vocabulary(len(self.tokenizer))
+        if sampling.num_samples > self.config.max_batch_size:
+            param = "best_of" if sampling.best_of else "n"
+            raise InvalidRequest(f"{param} must be at most {self.config.max_batch_size} (the batch size: "
+                                 "samples run side by side)", param)
 
     def submit_many(self, prompts: list[str], sampling: SamplingParams | None = None,
                     **options) -> list[RequestHandle]:

@@ -8,7 +8,8 @@ requests, and slots go round-robin across clients (fewest running, then served l
 ago), so one client that keeps the queue full cannot lock the others out. Memory: the
 worker's padded batch holds rows x longest row tokens; admission keeps that within
 `max_batch_kv_tokens`. Deadlines: a request past its deadline fails with
-deadline_exceeded, waiting or running.
+deadline_exceeded, waiting or running. Samples: a request with n > 1 (or best_of) is a group of
+sequences that is queued, admitted and sent to the worker as one (one prefill, forked there).
 """
 import logging
 import threading
@@ -73,33 +74,39 @@ class WorkloadManager:
         return len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        self.add_group([seq])
+
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences (its samples) all or none."""
+        client_id = seqs[0].client_id
         with self._lock:
             if self._is_closed:
                 raise NotReady("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) + len(seqs) > self.max_queue:
                 raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
-            if sum(s.client_id == seq.client_id for s in self.waiting) >= self.max_queue_per_client:
+            if sum(s.client_id == client_id for s in self.waiting) + len(seqs) > self.max_queue_per_client:
                 raise Overloaded(f"this client already has {self.max_queue_per_client} waiting requests; "
                                  "wait for some to finish")
-            if seq.request_id in self.sequences:
-                raise ValueError(f"request id {seq.request_id!r} is already in use")
-            self.waiting.append(seq)
-            self.sequences[seq.request_id] = seq
+            for seq in seqs:
+                if seq.request_id in self.sequences or seq.group_id in self.sequences:
+                    raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self.waiting.extend(seqs)
+            self.sequences.update((seq.request_id, seq) for seq in seqs)
             self._has_work.notify()
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request; a running one stops and frees its slot at the next step."""
+        """Cancel a request (all its samples); a running one stops and frees its slot at the next step."""
         with self._lock:
-            seq = self.sequences.get(request_id)
-            if seq is None:
-                return False
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                self._finish(seq, FinishReason.ABORT)
-            else:
-                seq.is_abort_requested = True
-                self._has_work.notify()
-            return True
+            seqs = [self.sequences[request_id]] if request_id in self.sequences \
+                else [s for s in self.sequences.values() if s.group_id == request_id]
+            for seq in seqs:
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                else:
+                    seq.is_abort_requested = True
+                    self._has_work.notify()
+            return bool(seqs)
 
     def schedule(self, timeout: float | None = None) -> StepPlan | None:
         """Block until there is a step to run (or `timeout`/close); admit new requests by policy."""
@@ -113,7 +120,7 @@ class WorkloadManager:
             for seq in [s for s in self.running if s.is_abort_requested]:
                 self._finish(seq, FinishReason.ABORT)
             admitted = self._admit()
-            plan = StepPlan(tuple(s.to_new_request() for s in admitted), tuple(self.finished_ids))
+            plan = StepPlan(_new_requests(admitted), tuple(self.finished_ids))
             self.finished_ids.clear()
             return plan
 
@@ -126,15 +133,18 @@ class WorkloadManager:
                         f"the model could not compute this request ({output.failed[seq.request_id]})"))
                     continue
                 try:
-                    self._append_tokens(seq, output.new_token_ids.get(seq.request_id, ()), now)
+                    if seq.request_id in output.prompt_logprobs:
+                        seq.prompt_logprobs = output.prompt_logprobs[seq.request_id]
+                    self._append_tokens(seq, output.new_token_ids.get(seq.request_id, ()), now,
+                                        output.logprobs.get(seq.request_id, ()))
                 except Exception as exc:  # noqa: BLE001 - one request's text handling fails it alone
                     logger.exception("postprocessing %s failed", seq.request_id)
                     self._finish(seq, FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
 
-    def _append_tokens(self, seq: Sequence, token_ids: tuple[int, ...], now: float) -> None:
-        for token_id in token_ids:
+    def _append_tokens(self, seq: Sequence, token_ids: tuple[int, ...], now: float, logprobs: tuple = ()) -> None:
+        for position, token_id in enumerate(token_ids):
             self.observer.on_token(seq, now, seq.last_token_time)
-            reason = seq.append_token(token_id, now)
+            reason = seq.append_token(token_id, now, logprobs[position] if position < len(logprobs) else None)
             if reason is not None:
                 self._finish(seq, reason)
                 return
@@ -183,14 +193,22 @@ class WorkloadManager:
         now = time.monotonic()
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self._fairest_waiting()
-            if not self._fits_kv_budget(seq):
+            group = [s for s in self.waiting if s.group_id == seq.group_id]
+            if not self._fits(group):
                 break  # the batch drains until it fits: skipping to smaller requests could starve it
             self._remember_admission(seq.client_id)
-            self.waiting.remove(seq)
-            seq.status, seq.scheduled_time = SequenceStatus.RUNNING, now
-            self.running.append(seq)
-            admitted.append(seq)
+            for member in group:
+                self.waiting.remove(member)
+                member.status, member.scheduled_time = SequenceStatus.RUNNING, now
+            self.running.extend(group)
+            admitted.extend(group)
         return admitted
+
+    def _fits(self, group: list[Sequence]) -> bool:
+        """Room for all of a request's samples at once (a group larger than the batch runs alone)."""
+        if not self.running:
+            return True
+        return len(self.running) + len(group) <= self.max_batch_size and self._fits_kv_budget(group)
 
     def _fairest_waiting(self) -> Sequence:
         """Round-robin across clients: the client with the fewest running requests, then the one served
@@ -199,13 +217,13 @@ class WorkloadManager:
         return min(self.waiting, key=lambda s: (running_per_client[s.client_id],
                                                 self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
 
-    def _fits_kv_budget(self, seq: Sequence) -> bool:
+    def _fits_kv_budget(self, group: list[Sequence]) -> bool:
         """The worker's batch is left-padded to its longest row, so its KV cache holds (rows x longest) tokens:
         admit only while that stays within `max_batch_kv_tokens` (a request alone always fits)."""
         if not self.running:
             return True
-        longest = max(s.max_num_tokens for s in [*self.running, seq])
-        return (len(self.running) + 1) * longest <= self.max_batch_kv_tokens
+        longest = max(s.max_num_tokens for s in [*self.running, *group])
+        return (len(self.running) + len(group)) * longest <= self.max_batch_kv_tokens
 
     def _remember_admission(self, client_id: str) -> None:
         if len(self._last_admitted) >= MAX_REMEMBERED_CLIENTS:  # forget clients with nothing left here
@@ -221,3 +239,12 @@ class WorkloadManager:
         self.observer.on_finish(seq, seq.finish(reason, error))
         if not self.sequences:
             self._is_idle.notify_all()
+
+
+def _new_requests(admitted: list[Sequence]) -> tuple[NewRequest, ...]:
+    """One NewRequest per request: a group's samples share one (one prefill in the worker)."""
+    groups: dict[str, list[Sequence]] = {}
+    for seq in admitted:
+        groups.setdefault(seq.group_id, []).append(seq)
+    return tuple(seqs[0].to_new_request(tuple(s.request_id for s in seqs) if len(seqs) > 1 else ())
+                 for seqs in groups.values())

@@ -1,0 +1,87 @@
+"""Choices (n samples per prompt) and log-probabilities in OpenAI's shapes, from the engine's outputs.
+
+Chat:        choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
+Completions: choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
+The numbers are the model's own distribution (see engine/backends/sampler.py). A token that ends inside a
+UTF-8 character shows U+FFFD in `token`; `bytes` are exact.
+"""
+from engine import RequestOutput, SamplingParams
+from engine.detokenizer import TokenTexts
+from engine.messages import TokenLogprob
+
+
+def chat_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> list[dict]:
+    return [{"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+             "logprobs": chat_logprobs(choice.logprobs, texts) if sampling.logprobs is not None else None,
+             "finish_reason": choice.finish_reason.value}
+            for choice in output.choices]
+
+
+def completion_choices(outputs: list[RequestOutput], prompts: list, sampling: SamplingParams,
+                       texts: TokenTexts) -> list[dict]:
+    """Prompt i's sample j is choice i * n + j, as OpenAI numbers them."""
+    choices = []
+    for output, prompt in zip(outputs, prompts):
+        for choice in output.choices:
+            prefix = _prompt_text(prompt, choice, texts) if sampling.echo else ""
+            choices.append({"index": len(choices), "text": prefix + choice.text,
+                            "logprobs": _completion_logprobs_of(choice, sampling, texts),
+                            "finish_reason": choice.finish_reason.value})
+    return choices
+
+
+def sample_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> list[dict]:
+    """/basic_generate and /generate: each sample's text, finish reason and (when asked) chat-shaped logprobs."""
+    return [{"index": choice.index, "text": choice.text, "finish_reason": choice.finish_reason.value,
+             "logprobs": chat_logprobs(choice.logprobs, texts) if sampling.logprobs is not None else None}
+            for choice in output.choices]
+
+
+def chat_logprobs(entries: tuple[TokenLogprob, ...] | None, texts: TokenTexts) -> dict:
+    return {"content": [_chat_entry(e.token_id, e.logprob, texts) | {"top_logprobs": [
+        _chat_entry(token_id, logprob, texts) for token_id, logprob in e.top]} for e in entries or ()]}
+
+
+def _chat_entry(token_id: int, logprob: float, texts: TokenTexts) -> dict:
+    return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.token_bytes(token_id))}
+
+
+def chat_logprob_content(entries: tuple[TokenLogprob, ...], texts: TokenTexts) -> list[dict]:
+    """The entries of a WebSocket delta frame."""
+    return chat_logprobs(entries, texts)["content"]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts) -> dict:
+    """`text_offset` counts characters from the start of the choice's text (the prompt's, with echo)."""
+    tokens, token_logprobs, top_logprobs, text_offset, offset = [], [], [], [], 0
+    for token_id, entry in zip(token_ids, entries):
+        text = texts.text(token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if entry is None:  # the prompt's first token: nothing before it predicts it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry.logprob)
+        top = {texts.text(top_id): logprob for top_id, logprob in entry.top}
+        top.setdefault(text, entry.logprob)  # the chosen token is always listed, as vLLM does
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def _completion_logprobs_of(choice: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> dict | None:
+    if sampling.logprobs is None:
+        return None
+    token_ids, entries = list(choice.output_token_ids), list(choice.logprobs or ())
+    if sampling.echo:
+        token_ids = list(choice.prompt_token_ids) + token_ids
+        entries = list(choice.prompt_logprobs or [None] * len(choice.prompt_token_ids)) + entries
+    return completion_logprobs(token_ids, entries, texts)
+
+
+def _prompt_text(prompt, choice: RequestOutput, texts: TokenTexts) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return texts.tokenizer.decode(list(choice.prompt_token_ids))

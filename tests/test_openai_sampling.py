@@ -1,0 +1,127 @@
+"""Logprobs, echo, penalties, logit_bias, min_tokens, n and best_of through the official `openai` SDK against the
+live server, on both backends (the numbers are the worker's: the model's own distribution, the same on both)."""
+import math
+
+import openai
+import pytest
+
+from .conftest import start_live_server
+
+CAPITAL = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def sdk(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def server(request, smol_model_dir):
+    # float32 (as tests/test_backends.py): in bfloat16 the two backends' kernels round near-ties differently.
+    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
+    yield live
+    live.stop()
+
+
+def test_chat_logprobs_in_openais_shape(server):
+    reply = sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens - (choice.finish_reason == "stop")  # EOS not shown
+    assert "".join(entry.token for entry in content) == choice.message.content
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy: the top one
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+    plain = sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+
+def score(server, continuation: str) -> float:
+    """lm-evaluation-harness's log-likelihood request: echo the prompt with its logprobs, generate one token."""
+    reply = sdk(server).completions.create(model="m", prompt=CAPITAL + continuation, max_tokens=1, temperature=0,
+                                           logprobs=1, echo=True)
+    logprobs = reply.choices[0].logprobs
+    assert reply.choices[0].text.startswith(CAPITAL + continuation)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert len(logprobs.tokens) == reply.usage.prompt_tokens + 1
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+    context_tokens = len(sdk(server).completions.create(model="m", prompt=CAPITAL, max_tokens=1, logprobs=0,
+                                                        echo=True).choices[0].logprobs.tokens) - 1
+    return sum(logprobs.token_logprobs[context_tokens:-1])
+
+
+def test_echo_scores_continuations_as_evaluation_harnesses_do(server):
+    paris, london = score(server, " Paris"), score(server, " London")
+    assert paris > london and paris > math.log(0.05)
+
+
+def test_completion_logprobs_k_and_greedy_tokens(server):
+    reply = sdk(server).completions.create(model="m", prompt=CAPITAL, max_tokens=6, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    for token, token_logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert max(top, key=top.get) == token and top[token] == pytest.approx(token_logprob)
+
+
+def test_n_samples_and_best_of(server):
+    client = sdk(server)
+    reply = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
+                                      n=3, logprobs=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2] and len({c.text for c in reply.choices}) > 1
+    assert reply.usage.completion_tokens == 24
+    best = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
+                                     n=2, best_of=3, logprobs=0, extra_body={"ignore_eos": True})
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in reply.choices}
+    assert [c.text for c in best.choices] == sorted(totals, key=totals.get, reverse=True)[:2]  # same seeds
+    assert best.usage.completion_tokens == 24  # every sample generated counts
+    chat = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=10, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy samples agree
+
+
+def test_logit_bias_and_penalties(server):
+    client = sdk(server)
+    token_id = server.state.engine.encode(prompt=" banana")[0]
+    forced = client.completions.create(model="m", prompt=CAPITAL, max_tokens=4, temperature=0,
+                                       logit_bias={str(token_id): 100})
+    assert forced.choices[0].text == " banana" * 4
+    once = client.completions.create(model="m", prompt=CAPITAL, max_tokens=4, temperature=0,
+                                     logit_bias={str(token_id): 100}, frequency_penalty=2.0,
+                                     extra_body={"repetition_penalty": 100.0})
+    assert once.choices[0].text.startswith(" banana") and once.choices[0].text.count(" banana") == 1
+    counting = "1, 1, 1, 1, 1, 1, 1, 1,"
+    plain = client.completions.create(model="m", prompt=counting, max_tokens=8, temperature=0)
+    penalised = client.completions.create(model="m", prompt=counting, max_tokens=8, temperature=0,
+                                          presence_penalty=2.0, frequency_penalty=2.0)
+    assert plain.choices[0].text.count("1") > penalised.choices[0].text.count("1")
+
+
+def test_min_tokens_holds_back_eos(server):
+    client = sdk(server)
+    short = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=40, temperature=0)
+    assert short.choices[0].finish_reason == "stop"
+    at_least = short.usage.completion_tokens + 5
+    longer = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=60, temperature=0,
+                                            extra_body={"min_tokens": at_least})
+    assert longer.usage.completion_tokens >= at_least
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"n": 2, "extra_body": {"best_of": 1}}, "best_of"),
+    ({"n": 100}, "n"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 9, "max_tokens": 3}}, "min_tokens"),
+])
+def test_bad_values_are_400_naming_the_field(server, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=3, **fields)
+    assert refused.value.body["param"] == param
