@@ -59,6 +59,17 @@ def test_echo_scores_continuations_as_evaluation_harnesses_do(server):
     assert paris > london and paris > math.log(0.05)
 
 
+def test_echo_of_a_prompt_longer_than_a_prefill_chunk(server):
+    prompt = " ".join(f"item {i}," for i in range(60))  # ~180 tokens: several prefill chunks on both backends
+    reply = sdk(server).completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+                                           echo=True)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == reply.usage.prompt_tokens + 1 > 150
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert sum(logprobs.token_logprobs[-40:-1]) > -20  # the pattern is easy to predict once it is set
+
+
 def test_completion_logprobs_k_and_greedy_tokens(server):
     reply = sdk(server).completions.create(model="m", prompt=CAPITAL, max_tokens=6, temperature=0, logprobs=2)
     logprobs = reply.choices[0].logprobs
