@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 CONFIGS = {
     "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True),
     "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),)),
-    "hf-none": ServerConfig("lockstep hf, policy none", "lockstep", (("LOCKSTEP_POLICY", "none"),)),
+    # One request at a time: 2 requests per client would take minutes at 16 clients, so each client sends one.
+    "hf-none": ServerConfig("lockstep hf, policy none", "lockstep", (("LOCKSTEP_POLICY", "none"),),
+                            requests_per_client=1),
     "vllm": ServerConfig("lockstep vllm (batch 16)", "lockstep",
                          (("LOCKSTEP_BACKEND", "vllm"), ("LOCKSTEP_MAX_BATCH_SIZE", "16")), in_length_sweep=True),
     "vllm-server": ServerConfig("vLLM server", "vllm-server", is_peer=True, in_length_sweep=True),
@@ -63,7 +65,8 @@ def _run_sweep(result: ConfigResult, url: str, plan: Plan, tokenizer, show_progr
     config = result.config
     sampling = serve.Sampling(temperature=0.0, ignore_eos=True, eos_method=config.eos_method,
                               banned_token_ids=tuple(sorted(tokenizer.all_special_ids)))
-    points = [(c, plan.output_len, plan.requests_per_client * c) for c in plan.concurrency]
+    per_client = config.requests_per_client or plan.requests_per_client
+    points = [(c, plan.output_len, per_client * c) for c in plan.concurrency]
     if config.in_length_sweep:
         points += [(1, length, 1) for length in plan.lengths]
     for index, (clients, output_len, num_requests) in enumerate(points):

@@ -230,7 +230,8 @@ class Report:
             "",
             f"Load, the same for every server: SmolLM2-135M-Instruct, the built-in prompts (13 to 20 tokens), "
             f"{self.plan.output_len} output tokens per request with `ignore_eos`, greedy; {clients} closed-loop "
-            f"clients ({self.plan.requests_per_client} requests each, one warm-up request first), streaming: "
+            f"clients ({self.plan.requests_per_client} requests each, `policy none` 1 each to bound the run; one "
+            "warm-up request first), streaming: "
             "lockstep over /ws, the others over SSE on /v1/completions. Output tokens are counted with the model's "
             "tokenizer on the text received; the metrics are vLLM's benchmark's (bench/serve_metrics.py). "
             "Servers run one after another: lockstep hf with its defaults (gunicorn as `make serve` starts it), "
@@ -282,8 +283,8 @@ class Report:
             "- Cores, from 8 clients on: one weight read serves the whole batch, so the bfloat16 matrix "
             f"multiplications on {m['cores']} cores, attention over the batch's KV cache and the per-step Python "
             f"work set the pace. lockstep's default gives its model worker {m['lockstep_default_threads']} torch "
-            "thread(s) here, vLLM's server and llama.cpp use every core; the HTTP server and the benchmark client "
-            "share them.",
+            "thread(s) here; vLLM's CPU backend binds its engine to all cores but one (it reserves one for its API "
+            "process); llama.cpp runs 2 threads. The HTTP servers and the benchmark client share the same cores.",
             "- Batching: llama-cpp-python's server decodes one request at a time, so its tokens/s stays flat and "
             "its TTFT grows with the queue; `policy none` does the same in lockstep; `static` waits for a whole "
             "batch to finish before admitting more. TTFT at N clients includes the wait for a batch slot.",

@@ -31,6 +31,7 @@ class ServerConfig:
     settings: tuple[tuple[str, str], ...] = ()  # environment for lockstep (LOCKSTEP_*)
     is_peer: bool = False  # a server a user would pick instead of lockstep
     in_length_sweep: bool = False  # also measured at outputs of 64 / 256 / 1,024 tokens
+    requests_per_client: int | None = None  # None: the plan's; 1 bounds a server that serves one at a time
 
     @property
     def api(self) -> str:

@@ -79,26 +79,32 @@ def arrival_offsets(num_requests: int, shape: LoadShape) -> list[float]:
 
 def run_load(target, specs: list[serve_data.RequestSpec], sampling: Sampling, shape: LoadShape,
              show_progress: bool = True, label: str = "") -> RunOutcome:
-    """Send `specs` by `shape` from a thread pool; return every sent request's result, in order."""
+    """Send `specs` by `shape` from a thread pool; return every sent request's result, in order. A request whose
+    arrival comes while every slot is busy waits for one (in order), as in vLLM's benchmark; after
+    `max_duration_s` no new request starts, and the ones in flight finish."""
     offsets = arrival_offsets(len(specs), shape)
     sent, futures = [], []
     workers = shape.max_concurrency or max(1, len(specs))
+    slots = threading.BoundedSemaphore(workers)
     with tqdm(total=len(specs), desc=label or None, disable=not show_progress, leave=False) as progress, \
             ThreadPoolExecutor(workers, thread_name_prefix="bench-client") as pool:
-        update_lock = threading.Lock()
+        progress_lock = threading.Lock()
 
-        def count_done(_future) -> None:
-            with update_lock:
+        def on_done(_future) -> None:
+            slots.release()
+            with progress_lock:
                 progress.update(1)
 
         started = time.perf_counter()
         for spec, offset in zip(specs, offsets):
-            if shape.max_duration_s is not None and time.perf_counter() - started > shape.max_duration_s:
-                break
             if (delay := started + offset - time.perf_counter()) > 0:
                 time.sleep(delay)  # the arrival schedule itself: nothing to wait on but the clock
+            slots.acquire()
+            if shape.max_duration_s is not None and time.perf_counter() - started > shape.max_duration_s:
+                slots.release()
+                break
             future = pool.submit(target.send, spec, sampling)
-            future.add_done_callback(count_done)
+            future.add_done_callback(on_done)
             sent.append(spec)
             futures.append(future)
         results = [future.result() for future in futures]
