@@ -9,6 +9,7 @@ POLICIES = ("continuous", "static", "none")
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")  # vLLM's distributed_executor_backend; ray spans nodes
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 ENFORCE_EAGER = ("auto", "true", "false")  # auto: eager on CPU only (CUDA captures graphs)
 
 
@@ -36,6 +37,9 @@ class EngineConfig:
     request_timeout_s: float = 600.0  # a request's deadline (a request may ask for less, never more)
     prefill_chunk_tokens: int = 512  # most prompt tokens fed per step
     prefill_step_target_s: float = 0.2  # beside running streams, prompt chunks sized to take about this long
+    # hf: greedy output bit-identical to the request run alone, whatever else is in the batch (prompt chunks
+    # planned from the prompt alone, decode never at one row); costs about 1-3% (docs/benchmarks.md).
+    batch_invariant: bool = True
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
@@ -84,6 +88,10 @@ class EngineConfig:
 
 def _parse(type_name, raw: str, name: str):
     kind = type_name if isinstance(type_name, str) else type_name.__name__
+    if kind == "bool":
+        if raw.lower() not in BOOLEANS:
+            raise ValueError(f"LOCKSTEP_{name.upper()} must be one of {', '.join(BOOLEANS)}, got {raw!r}")
+        return BOOLEANS[raw.lower()]
     try:
         if kind == "int":
             return int(raw)

@@ -1,17 +1,25 @@
-"""Hugging Face transformers backend: a KV-cached, left-padded batch that requests join and leave.
+"""Hugging Face transformers backend: a KV-cached batch that requests join and leave.
 
-The batch keeps one DynamicCache whose rows are the decoding requests, left-padded to a
-common length with an attention mask that hides the padding; each row carries its own
-position ids, so a short prompt batched with a long one computes exactly what it would
-alone. A step frees finished rows, decodes one token for every decoding row (one forward),
-then spends a bounded budget on chunked prefill: each new request is prefilled alone into
-a cache of its own (never padded to another prompt's length), a chunk per forward, and
-joins the batch with its first token when its prompt is done; the prompt with the fewest
-tokens left goes first. While others decode, a chunk is sized to take about
-`prefill_step_target_s`, from the measured cost of earlier chunks: a token late in a long
+The decoding rows live in a preallocated slot cache (kv_cache.py): each row owns a slot, a
+decode step writes every row's new keys and values in place and attends with a mask built
+once per step, so nothing is concatenated or re-padded per step and a row's cost does not
+grow with the batch's history. Each row carries its own position ids, so a short prompt
+batched with a long one computes exactly what it would alone. A step frees finished rows,
+decodes one token for every decoding row (one forward), then spends a bounded budget on
+chunked prefill: each new request is prefilled alone into a cache of its own, a chunk per
+forward, and joins the batch (its cache copied into a slot) with its first token when its
+prompt is done; the prompt with the fewest tokens left goes first. A token late in a long
 prompt attends to everything before it and costs many times one early on (on CPU, about
-1 + context/500 times). So a 7,500-token prompt costs every running stream a bounded gap
-per step, not one long stall.
+1 + context/500 times), so chunks shrink as the context grows and a 7,500-token prompt
+costs every running stream a bounded gap per step, not one long stall.
+
+Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones
+it gets alone, bit for bit, whatever else runs. Its prompt chunks are planned from its own
+prompt only (never from a time budget that depends on the others), each decode row's
+attention reads only its own slot (exact zeros and -inf masks elsewhere), and a decode
+step never runs at one row: oneDNN's bfloat16 matmul rounds one row differently from two
+or more (measured; at 2..64 rows every row is identical), so one row is padded to two.
+Without it, chunks beside running streams are sized to take about `prefill_step_target_s`.
 
 A failure that belongs to one request (its sampler, its prefill) drops that request and is
 reported in the StepOutput; the batch goes on. Only a failure of the shared decode forward
@@ -31,6 +39,7 @@ from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
+from .kv_cache import SlotKVCache, use_slot_attention
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError
 ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice one at context 0 (measured, CPU)
 MIN_CHUNK_TOKENS = 16
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
+INVARIANT_MIN_ROWS = 2  # batch invariance: a decode step's matmuls never run at one row (see the docstring)
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
 
@@ -81,9 +91,10 @@ class HFBackend(Backend):
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.prefill_step_target_s = config.prefill_step_target_s
         self.seconds_per_cost_unit: float | None = None  # measured: see `_chunk_size`
-        self.rows: list[Row] = []
-        self.cache: DynamicCache | None = None
-        self.attention_mask: torch.Tensor | None = None  # [B, T]
+        self.batch_invariant = config.batch_invariant
+        self.slot_attention = use_slot_attention(self.model)
+        self.rows: list[Row] = []  # row i decodes in slot i of `cache`
+        self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
@@ -91,8 +102,10 @@ class HFBackend(Backend):
             eos_token_ids=_eos_token_ids(self.model))
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
-        logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens", self.info.dtype,
-                    self.device, torch.get_num_threads(), self.prefill_chunk_tokens)
+        logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "
+                    "batch invariance %s", self.info.dtype, self.device, torch.get_num_threads(),
+                    self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
+                    "on" if self.batch_invariant else "off")
 
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
@@ -119,11 +132,13 @@ class HFBackend(Backend):
 
     def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
         failed = output.failed
-        input_ids = torch.tensor([[row.last_token_id] for row in self.rows], device=self.device)  # [B, 1]
-        position_ids = torch.tensor([[row.num_tokens] for row in self.rows], device=self.device)  # [B, 1]
-        ones = torch.ones_like(input_ids)
-        self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)  # [B, T+1]
-        logits = self._forward(input_ids, self.attention_mask, position_ids, self.cache)  # [B, V]
+        min_rows = INVARIANT_MIN_ROWS if self.batch_invariant else 1
+        token_ids = [row.last_token_id for row in self.rows]
+        token_ids += token_ids[:1] * (min_rows - len(token_ids))  # padding rows: outputs ignored
+        input_ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # [B, 1]
+        position_ids, attention_mask = self.cache.prepare_decode(min_rows)  # [B, 1], [B, 1, 1, capacity]
+        logits = self._forward(input_ids, attention_mask, position_ids, self.cache)  # [B, V]
+        self.cache.finish_decode()
         picked: dict[int, torch.Tensor] = {}  # row index -> its token, still on the device
         for i, row in enumerate(self.rows):
             row.num_tokens += 1  # the token just fed is in the cache now
@@ -153,7 +168,7 @@ class HFBackend(Backend):
             if seconds_left <= 0:
                 break
             prefill = self.prefills[0]
-            num_tokens = min(budget, self._chunk_size(prefill, seconds_left))
+            num_tokens = self._chunk_size(prefill, seconds_left, budget)
             if prefill.prompt_logprobs is not None:
                 num_tokens = min(num_tokens, PROMPT_LOGPROBS_CHUNK_TOKENS)
             budget -= num_tokens
@@ -187,16 +202,20 @@ class HFBackend(Backend):
             self._join_batch(prefill, rows)
         return first_token_ids
 
-    def _chunk_size(self, prefill: Prefill, seconds_left: float) -> int:
-        """Alone, a prompt goes in the largest chunks; beside decoding rows, a chunk that fits in
-        `seconds_left`, judged by what earlier chunks cost per unit (see `_cost_units`)."""
+    def _chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
+        """Batch-invariant: the prompt's own plan, whatever else runs (a step's budget and time decide how
+        many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the largest chunks
+        the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
+        earlier chunks cost per unit (see `_cost_units`)."""
+        if self.batch_invariant:
+            return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens)
         if not self.rows:
-            return prefill.num_left
+            return min(budget, prefill.num_left)
         if self.seconds_per_cost_unit is None:
-            return min(prefill.num_left, FIRST_CHUNK_TOKENS)
+            return min(budget, prefill.num_left, FIRST_CHUNK_TOKENS)
         units_per_token = 1 + prefill.num_computed / ATTENTION_COST_SCALE
         affordable = int(seconds_left / (self.seconds_per_cost_unit * units_per_token))
-        return min(prefill.num_left, max(MIN_CHUNK_TOKENS, affordable))
+        return min(budget, prefill.num_left, max(MIN_CHUNK_TOKENS, affordable))
 
     def _prefill_chunk(self, prefill: Prefill, num_tokens: int) -> torch.Tensor:
         start, end = prefill.num_computed, prefill.num_computed + num_tokens
@@ -223,12 +242,14 @@ class HFBackend(Backend):
         self.seconds_per_cost_unit = measured if previous is None else 0.7 * previous + 0.3 * measured
 
     def _join_batch(self, prefill: Prefill, rows: list[Row]) -> None:
-        mask = torch.ones((len(rows), prefill.num_computed), dtype=torch.long, device=self.device)
-        cache = prefill.cache
-        if len(rows) > 1:  # the samples fork: each row gets its copy of the one prefilled prompt
-            cache = DynamicCache(ddp_cache_data=[(k.repeat(len(rows), 1, 1, 1), v.repeat(len(rows), 1, 1, 1))
-                                                 for k, v in _kv(cache)])
-        self._merge(rows, cache, mask)
+        """Each row (a sample; n > 1 forks) gets a slot holding its copy of the one prefilled prompt."""
+        layers = _kv(prefill.cache)
+        if self.cache is None:
+            _, num_kv_heads, _, head_dim = layers[0][0].shape
+            self.cache = SlotKVCache(len(layers), num_kv_heads, head_dim, layers[0][0].dtype, self.device)
+        for row in rows:
+            self.cache.add_row(layers, prefill.num_computed)
+            self.rows.append(row)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, all_positions: bool = False) -> torch.Tensor:
         """The last position's logits [B, V], or with `all_positions` every position's [B, S, V]."""
@@ -249,46 +270,22 @@ class HFBackend(Backend):
             failed[request_id] = _describe(exc)
             return None
 
-    def _merge(self, rows: list[Row], cache: DynamicCache, attention_mask: torch.Tensor) -> None:
-        """Append freshly prefilled rows to the batch, left-padding whichever side is shorter."""
-        if not self.rows:
-            self.rows, self.cache, self.attention_mask = rows, cache, attention_mask
-            return
-        length = max(self.attention_mask.shape[1], attention_mask.shape[1])
-        layers = [
-            (torch.cat([_pad_left(k1, length, 2), _pad_left(k2, length, 2)]),
-             torch.cat([_pad_left(v1, length, 2), _pad_left(v2, length, 2)]))
-            for (k1, v1), (k2, v2) in zip(_kv(self.cache), _kv(cache))
-        ]
-        self.cache = DynamicCache(ddp_cache_data=layers)
-        self.attention_mask = torch.cat([_pad_left(self.attention_mask, length, 1),
-                                         _pad_left(attention_mask, length, 1)])
-        self.rows = self.rows + rows
-
     def _free(self, finished_ids: set[str]) -> None:
         if not finished_ids:
             return
         for prefill in self.prefills:
             prefill.samplers = {i: s for i, s in prefill.samplers.items() if i not in finished_ids}
         self.prefills = deque(p for p in self.prefills if p.samplers)
-        keep = [i for i, row in enumerate(self.rows) if row.request_id not in finished_ids]
-        if len(keep) == len(self.rows):
+        gone = {i for i, row in enumerate(self.rows) if row.request_id in finished_ids}
+        if not gone:
             return
-        if not keep:
-            self.rows, self.cache, self.attention_mask = [], None, None
-            # Without the trims glibc keeps the peak of every long prompt (measured: 360 MB loaded, 870 MB after
-            # prompts of 2k-7.5k tokens; 694 MB, flat, with them).
-            release_freed_memory()
-            return
-        # Drop the leading columns that are padding in every remaining row.
-        mask = self.attention_mask[keep]
-        start = int((mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())
-        index = torch.tensor(keep, device=self.device)
-        self.cache = DynamicCache(ddp_cache_data=[(k[index, :, start:], v[index, :, start:])
-                                                  for k, v in _kv(self.cache)])
-        self.attention_mask = mask[:, start:]
-        self.rows = [self.rows[i] for i in keep]
-        if start >= TRIM_AFTER_COLUMNS:  # a long row left: its padding in every other row is freed too
+        for source, target in self.cache.remove_rows(gone):  # the last rows moved into the freed slots
+            self.rows[target] = self.rows[source]
+        del self.rows[len(self.rows) - len(gone):]
+        freed_positions = self.cache.shrink()
+        # Without the trims glibc keeps the peak of every long prompt (measured: 360 MB loaded, 870 MB after
+        # prompts of 2k-7.5k tokens; 694 MB, flat, with them).
+        if not self.rows or freed_positions >= TRIM_AFTER_COLUMNS:
             release_freed_memory()
 
 
@@ -303,21 +300,19 @@ def _cost_units(start: int, num_tokens: int) -> float:
     return num_tokens * (1 + mean_context / ATTENTION_COST_SCALE)
 
 
+def planned_chunk_size(num_computed: int, num_left: int, chunk_tokens: int) -> int:
+    """A prompt's next chunk from its own progress only: `chunk_tokens` at the start, shrinking as each
+    token attends to more context, so every chunk costs about the same (bounded gaps beside streams)."""
+    affordable = int(chunk_tokens / (1 + num_computed / ATTENTION_COST_SCALE))
+    return min(num_left, max(min(MIN_CHUNK_TOKENS, chunk_tokens), affordable))
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _pad_left(tensor: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def _context_length(model_config, configured: int) -> int:

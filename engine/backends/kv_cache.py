@@ -1,0 +1,204 @@
+"""A preallocated, slot-based KV cache for the decoding batch, and the attention that reads it.
+
+Each decoding row owns a slot: per layer, keys and values live in one tensor
+[slots, kv_heads, capacity, head_dim] that a decode step writes in place (one indexed store per
+layer, at each row's own position) and reads as the first `num_rows` slots, a contiguous view.
+Nothing is concatenated per step and no row is ever re-padded when another joins or leaves: a
+row that leaves is replaced by the last one (one row copied). The storage grows in whole pages
+of positions and in groups of slots, so its shape changes rarely, and shrinks when the longest
+row leaves. A step attends over the whole capacity: a view of fewer positions is not contiguous,
+and the CPU matmuls then copy every row's keys and values first (measured: 3x slower).
+
+Rows are left-aligned (position p of a row is column p), positions past a row's length hold
+zeros and are masked with -inf. `slot_attention` computes a decode step's attention with two
+matmuls, grouped by KV head: on CPU it is an order of magnitude faster than SDPA's flash kernel
+for one query token (measured: 0.6 vs 9.4 ms per layer for 8 rows x 1,000 positions, bfloat16),
+and every row's result is bit-identical whatever the other rows, the batch size or the span
+(each score is one dot product; masked positions add exact zeros): the basis of batch-invariant
+greedy decoding.
+"""
+import logging
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+SLOT_ATTENTION = "lockstep_slots"
+PAGE_TOKENS = 256  # capacity grows (and shrinks) in multiples of this many positions
+SLOT_GROUP = 4  # slots are allocated in groups of this many rows
+SHRINK_AFTER_TOKENS = 2 * PAGE_TOKENS  # positions per slot no row needs any more before the storage shrinks
+
+
+class SlotKVCache(Cache):
+    """The decoding batch's keys and values; `update` is what the model's attention layers call.
+
+    Row i of the batch is slot i; `lengths[i]` tokens of it are cached (host-side ints: a step needs no
+    device-to-host copy to plan itself)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__(layers=[])
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+        self._step_rows = 0  # rows the current decode step computes (padding rows included)
+        self._step_index: torch.Tensor | None = None  # [step rows]: slot of each input row
+        self._step_positions: torch.Tensor | None = None  # [step rows]: where each row's new token goes
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def add_row(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> int:
+        """Copy one sequence's cache (per layer [1, kv_heads, >= length, head_dim], length >= 1) into the
+        next slot; returns the row's index."""
+        row = self.num_rows
+        self._reserve(row + 1, length + 1)
+        for layer, (keys, values) in enumerate(layers):
+            self.keys[layer][row, :, :length] = keys[0, :, :length]
+            self.values[layer][row, :, :length] = values[0, :, :length]
+        self.lengths.append(length)
+        return row
+
+    def remove_rows(self, rows: set[int]) -> list[tuple[int, int]]:
+        """Free `rows`; the last rows move into the holes. Returns the moves as (from, to), which the
+        caller applies to its own list of rows, in order."""
+        old_count, keep_count = self.num_rows, self.num_rows - len(rows)
+        holes = sorted(r for r in rows if r < keep_count)
+        movers = [r for r in range(keep_count, old_count) if r not in rows]
+        moves = list(zip(movers, holes))
+        for source, target in moves:
+            for storage in self.keys + self.values:
+                storage[target].copy_(storage[source])
+            self.lengths[target] = self.lengths[source]
+        del self.lengths[keep_count:]
+        for storage in self.keys + self.values:  # freed slots must read as zeros (0 * garbage may be NaN)
+            storage[keep_count:old_count].zero_()
+        return moves
+
+    def shrink(self) -> int:
+        """Drop positions and slots the remaining rows no longer need (the longest row left: every step
+        attends over the whole capacity). Returns how many positions per slot were freed."""
+        if not self.lengths:
+            freed = self.capacity
+            self.keys, self.values = [], []
+            return freed
+        target_capacity = _round_up(max(self.lengths) + 1, PAGE_TOKENS)
+        target_slots = _round_up(self.num_rows, SLOT_GROUP)
+        freed = self.capacity - target_capacity
+        if freed < SHRINK_AFTER_TOKENS and self.num_slots - target_slots < 2 * SLOT_GROUP:
+            return 0
+        self._reallocate(target_slots, target_capacity)
+        return freed
+
+    def prepare_decode(self, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before a decode step over every row, padded with empty rows to `min_rows` (whose outputs the
+        caller ignores): room for one more token per row. Returns (position_ids [B, 1], the additive
+        attention mask [B, 1, 1, capacity] that hides every row's unused positions)."""
+        step_lengths = self.lengths + [0] * (min_rows - self.num_rows)
+        self._reserve(len(step_lengths), max(step_lengths) + 1)
+        self._step_rows = len(step_lengths)
+        self._step_index = torch.arange(self._step_rows, device=self.device)
+        self._step_positions = torch.tensor(step_lengths, device=self.device)
+        columns = torch.arange(self.capacity, device=self.device)
+        hidden = columns[None, :] > self._step_positions[:, None]  # the token being fed sees itself
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+        return self._step_positions[:, None], mask[:, None, None, :]
+
+    def finish_decode(self) -> None:
+        """After the step: each real row holds one more token. A padding row wrote position 0 of a free
+        slot, which the next row to take that slot overwrites (every row has at least one token)."""
+        self.lengths = [length + 1 for length in self.lengths]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the fed token's keys and values ([B, kv_heads, 1, head_dim]) at each row's position and
+        return every row's slot (a contiguous view)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self._step_index, :, self._step_positions] = key_states[:, :, 0]
+        values[self._step_index, :, self._step_positions] = value_states[:, :, 0]
+        return keys[:self._step_rows], values[:self._step_rows]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+    def _reserve(self, rows: int, positions: int) -> None:
+        if rows <= self.num_slots and positions <= self.capacity:
+            return
+        slots = max(self.num_slots, _round_up(rows, SLOT_GROUP))
+        self._reallocate(slots, max(self.capacity, _round_up(positions, PAGE_TOKENS)))
+
+    def _reallocate(self, slots: int, capacity: int) -> None:
+        logger.debug("KV slots: %d x %d positions -> %d x %d", self.num_slots, self.capacity, slots, capacity)
+        shape = (slots, self.num_kv_heads, capacity, self.head_dim)
+        rows, kept = min(self.num_rows, slots), min(self.capacity, capacity)
+        fresh_keys, fresh_values = [], []
+        for layer in range(self.num_layers):
+            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.keys:
+                keys[:rows, :, :kept] = self.keys[layer][:rows, :, :kept]
+                values[:rows, :, :kept] = self.values[layer][:rows, :, :kept]
+            fresh_keys.append(keys)
+            fresh_values.append(values)
+        self.keys, self.values = fresh_keys, fresh_values
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface. One query token per row (a decode step): grouped-query attention
+    as two matmuls, no KV heads repeated. Longer queries (prompt chunks) go to SDPA."""
+    batch, num_heads, query_len, head_dim = query.shape
+    if query_len != 1:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    num_kv_heads = key.shape[1]
+    grouped = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, key.transpose(2, 3))  # [B, kv_heads, group, span]
+    scores = scores * (head_dim ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    output = torch.matmul(weights, value)  # [B, kv_heads, group, head_dim]
+    return output.reshape(batch, 1, num_heads, head_dim), None
+
+
+def use_slot_attention(model) -> bool:
+    """Switch `model` to `slot_attention` where transformers lets us; False if the model has its own."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+    AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)  # prompt chunks get SDPA's masks
+    try:
+        model.set_attn_implementation(SLOT_ATTENTION)
+    except (ValueError, KeyError, ImportError) as exc:
+        logger.warning("custom attention refused (%s); using the model's own", exc)
+        return False
+    return True
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
