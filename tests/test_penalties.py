@@ -7,6 +7,7 @@ import torch
 from engine import EngineConfig
 from engine.backends.hf import HFBackend
 from engine.backends.sampler import TokenSampler
+from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import NewRequest, WorkerSampling
 
 CPU = torch.device("cpu")
@@ -116,3 +117,15 @@ def test_repetition_penalty_covers_the_prompt(backend):
     sampling = WorkerSampling(max_tokens=2, logit_bias=((77, 30.0),), repetition_penalty=1e6)
     assert 77 in run(backend, NewRequest("a", (1, 2, 3), sampling), 2)["a"]
     assert 77 not in run(backend, NewRequest("b", (1, 77, 3), sampling), 2)["b"]
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_stop_strings_count_only_past_min_tokens():
+    detokenizer = IncrementalDetokenizer(CharTokenizer(), stop=("b",), min_tokens=3)
+    for char in "abab":
+        detokenizer.add_token(ord(char))
+    assert detokenizer.stopped_by == "b" and detokenizer.text == "aba"  # the "b" at token 2 did not stop it
