@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -50,15 +51,15 @@ class RunOutcome:
     duration_s: float
 
 
-def make_target(api: str, url: str, model: str | None = None, timeout_s: float = 600.0):
+def make_target(api: str, url: str, model: str | None = None, timeout_s: float = 600.0, api_key: str = ""):
     if api == "lockstep-ws":
-        return LockstepWebSocket(url, timeout_s)
+        return LockstepWebSocket(url, timeout_s, api_key)
     if api == "lockstep-rest":
-        return LockstepRest(url, timeout_s)
+        return LockstepRest(url, timeout_s, api_key)
     if api == "openai":
         if not model:
             raise ValueError("--model is required for --api openai (the name the server serves)")
-        return OpenAiCompletions(url, model, timeout_s)
+        return OpenAiCompletions(url, model, timeout_s, api_key)
     raise ValueError(f"unknown api {api!r}: use one of {', '.join(APIS)}")
 
 
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api", choices=APIS, default="lockstep-ws")
     parser.add_argument("--model", default=None, help="the served model name (--api openai)")
     parser.add_argument("--label", default=None, help="the server's name in the table and plot")
+    parser.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY", ""),
+                        help="sent as a bearer token (default: $LOCKSTEP_API_KEY)")
     parser.add_argument("--max-concurrency", default="", help="comma list; empty = no limit")
     parser.add_argument("--eos-method", choices=EOS_METHODS, default="field",
                         help="field: ignore_eos in the body; logit-bias: ban the special tokens (llama.cpp)")
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel(logging.INFO)
     try:
         check_load_arguments(args)
+        if args.api == "openai" and not args.model:
+            raise ValueError("--model is required for --api openai (the name the server serves)")
         concurrencies = parse_concurrency(args.max_concurrency)
         slos = serve_metrics.parse_slos(args.goodput)
     except ValueError as exc:
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, records, points = [], [], []
     for max_concurrency in concurrencies:
         shape = LoadShape(args.request_rate, args.burstiness, max_concurrency, args.max_duration, args.seed)
-        target = make_target(args.api, args.url, args.model)
+        target = make_target(args.api, args.url, args.model, api_key=args.api_key)
         specs = requests_for(args, tokenizer, max_concurrency)
         measurement = measure(target, specs, sampling, shape, tokenizer, slos, not args.no_progress,
                               f"{label} x{max_concurrency or '-'}")
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _args_record(args) -> dict:
-    return {k: _json_number(v) if isinstance(v, float) else v for k, v in vars(args).items()}
+    return {k: _json_number(v) if isinstance(v, float) else v for k, v in vars(args).items() if k != "api_key"}
 
 
 if __name__ == "__main__":

@@ -37,10 +37,9 @@ class Sampling:
     eos_method: str = "field"
     banned_token_ids: tuple[int, ...] = ()
     include_usage: bool = False  # ask an OpenAI server for a final usage chunk (vLLM supports stream_options)
-    extra_body: tuple[tuple[str, object], ...] = ()  # more JSON fields for every request body
 
     def body_fields(self) -> dict:
-        fields = {"temperature": self.temperature, **dict(self.extra_body)}
+        fields = {"temperature": self.temperature}
         if self.ignore_eos and self.eos_method == "field":
             fields["ignore_eos"] = True
         if self.ignore_eos and self.eos_method == "logit-bias":
@@ -88,10 +87,11 @@ class _Stopwatch:
 class LockstepWebSocket:
     api = "lockstep-ws"
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str = ""):
         parts = urlsplit(base_url)
         self.ws_url = f"{'wss' if parts.scheme == 'https' else 'ws'}://{parts.netloc}/ws"
         self.timeout_s = timeout_s
+        self.headers = _auth_headers(api_key)
         self._local = threading.local()
         self._sockets: list[websocket.WebSocket] = []
         self._lock = threading.Lock()
@@ -130,7 +130,8 @@ class LockstepWebSocket:
         return ws
 
     def _connect(self) -> websocket.WebSocket:
-        ws = websocket.create_connection(self.ws_url, timeout=self.timeout_s)
+        ws = websocket.create_connection(self.ws_url, timeout=self.timeout_s,
+                                         header=[f"{k}: {v}" for k, v in self.headers.items()])
         self._local.ws = ws
         with self._lock:
             self._sockets.append(ws)
@@ -163,15 +164,16 @@ class LockstepWebSocket:
 class _HttpTarget:
     """Shared by the HTTP protocols: one fresh connection per request (loopback connects cost ~0.1 ms)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str = ""):
         parts = urlsplit(base_url)
         self.host, self.port, self.is_https = parts.hostname, parts.port, parts.scheme == "https"
         self.timeout_s = timeout_s
+        self.headers = {"Content-Type": "application/json", **_auth_headers(api_key)}
 
     def _post(self, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         connection_class = http.client.HTTPSConnection if self.is_https else http.client.HTTPConnection
         connection = connection_class(self.host, self.port, timeout=self.timeout_s)
-        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        connection.request("POST", path, json.dumps(body), self.headers)
         return connection, connection.getresponse()
 
     def close(self) -> None:
@@ -213,8 +215,8 @@ def _read_completion(result: RequestResult, status: int, payload) -> None:
 class OpenAiCompletions(_HttpTarget):
     api = "openai"
 
-    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0):
-        super().__init__(base_url, timeout_s)
+    def __init__(self, base_url: str, model: str, timeout_s: float = 600.0, api_key: str = ""):
+        super().__init__(base_url, timeout_s, api_key)
         self.model = model
 
     def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
@@ -257,6 +259,12 @@ def _read_event_stream(response: http.client.HTTPResponse, stopwatch: _Stopwatch
         if usage := chunk.get("usage"):
             result.server_output_tokens = usage.get("completion_tokens")
     result.success = True
+
+
+def _auth_headers(api_key: str) -> dict[str, str]:
+    """lockstep (LOCKSTEP_API_KEY) and OpenAI servers both take a bearer token; lockstep's socket takes it on the
+    handshake too."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _json_or_text(raw: bytes):

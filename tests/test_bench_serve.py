@@ -2,6 +2,7 @@
 and REST, its metrics (vLLM's definitions), the SSE reader on streams recorded from vLLM's and llama.cpp's own
 servers (tests/data/sse; `python -m bench.record_sse` re-records them), the comparison run end to end on a real
 gunicorn, and the command line."""
+import dataclasses
 import json
 import random
 import subprocess
@@ -206,6 +207,20 @@ def test_refused_requests_are_counted_as_failures(smol_server, tokenizer, target
     assert [r.server_output_tokens for r in results] == [4, None, 4]
 
 
+@pytest.mark.parametrize("api", ["lockstep-ws", "lockstep-rest"])
+def test_an_api_key_is_sent_where_the_server_asks_for_it(smol_server, tokenizer, api):
+    original = smol_server.state.settings
+    smol_server.state.settings = dataclasses.replace(original, api_key="s3cret")
+    try:
+        specs = builtin_requests(tokenizer, 1, output_len=2)
+        allowed = _measure(serve.make_target(api, smol_server.url, api_key="s3cret"), specs, tokenizer)
+        refused = _measure(serve.make_target(api, smol_server.url, api_key="wrong"), specs, tokenizer)
+    finally:
+        smol_server.state.settings = original
+    assert (allowed.metrics.completed, refused.metrics.failed) == (1, 1)
+    assert "401" in refused.outcome.results[0].error
+
+
 def test_the_openai_client_counts_a_refused_stream(smol_server, tokenizer):
     """lockstep streams over /ws only: its /v1/completions answers `"stream": true` with a 400."""
     measurement = _measure(OpenAiCompletions(smol_server.url, "smollm2"), builtin_requests(tokenizer, 2, 4), tokenizer)
@@ -298,7 +313,8 @@ def test_python_m_bench_dispatches_to_its_commands_and_modules():
 
 
 @pytest.mark.parametrize("bad", [["--request-rate", "nan"], ["--request-rate", "0"], ["--max-concurrency", "0"],
-                                 ["--goodput", "ttft:inf"], ["--burstiness", "inf"], ["--range-ratio", "1"]])
+                                 ["--goodput", "ttft:inf"], ["--burstiness", "inf"], ["--range-ratio", "1"],
+                                 ["--api", "openai"]])
 def test_bad_load_settings_are_refused_before_anything_runs(bad):
     run = _bench("serve", *bad)
     assert run.returncode == 2 and "error:" in run.stderr
