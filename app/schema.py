@@ -24,7 +24,7 @@ STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); s
 SAMPLING = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "ignore_eos", "timeout",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "best_of",
-    "logprobs", "top_logprobs", "response_format",
+    "logprobs", "top_logprobs", "echo", "response_format",
 })
 # OpenAI fields read for information only (never change the answer), and `stream`, whose only accepted value
 # on REST is false.
@@ -61,6 +61,8 @@ class RequestShape:
     name: str
     fields: frozenset
     aliases: dict = field(default_factory=dict)
+    is_openai: bool = False  # OpenAI's unimplemented fields get their own message (and null counts as absent)
+    one_of: tuple[str, ...] = ()  # at most one of these may be given
 
     def accepts(self, name: str) -> bool:
         return name in self.fields or name in self.aliases
@@ -68,11 +70,12 @@ class RequestShape:
 
 BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING | {"prompt"})
 GENERATE = RequestShape("/generate", SAMPLING | {"prompts"})
-COMPLETIONS = RequestShape("/v1/completions", SAMPLING | OPENAI_COMMON | {"prompt", "echo"})
-CHAT = RequestShape("/v1/chat/completions", SAMPLING | OPENAI_COMMON | {"messages"},
-                    aliases={"max_completion_tokens": "max_tokens"})
-TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}))
-WS_GENERATE = RequestShape("a generate frame", SAMPLING | {"type", "id", "prompt", "messages"})
+COMPLETIONS = RequestShape("/v1/completions", SAMPLING | OPENAI_COMMON | {"prompt"}, is_openai=True)
+CHAT = RequestShape("/v1/chat/completions", SAMPLING - {"echo"} | OPENAI_COMMON | {"messages"},
+                    aliases={"max_completion_tokens": "max_tokens"}, is_openai=True)
+TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}), one_of=("prompt", "messages"))
+WS_GENERATE = RequestShape("a generate frame", SAMPLING | {"type", "id", "prompt", "messages"},
+                           one_of=("prompt", "messages"))
 
 
 def read_json_body(shape: RequestShape | None = None) -> dict:
@@ -115,11 +118,14 @@ def checked_fields(body: dict, shape: RequestShape) -> dict:
     OpenAI field, `stream: true`, or an alias that disagrees with the field it stands for."""
     for name, value in body.items():
         _check_field(name, value, shape)
+    given = [name for name in shape.one_of if name in body]
+    if len(given) > 1:
+        raise invalid_value(given[1], f"give {' or '.join(shape.one_of)}, not both")
     return _resolve_aliases(body, shape)
 
 
 def _check_field(name: str, value, shape: RequestShape) -> None:
-    if name in NOT_IMPLEMENTED:
+    if shape.is_openai and name in NOT_IMPLEMENTED:
         if value is None or any(value == used and type(value) is type(used) for used in NOT_USED.get(name, ())):
             return
         raise unsupported_field(name, NOT_IMPLEMENTED[name])

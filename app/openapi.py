@@ -1,0 +1,370 @@
+"""GET /openapi.json: an OpenAPI 3.1 description of what this server does, built from the same lists the server
+checks requests against (app/schema.py) and the limits of the running instance (stop strings, prompts per call).
+
+Request bodies are closed (`additionalProperties: false`): the server refuses any other field. Responses are open:
+they list what is always there. tests/test_openapi.py runs schemathesis against the live server with this document.
+"""
+from flask import Blueprint, jsonify
+
+from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED,
+                             MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
+
+from . import schema as shapes
+from .state import AppState, lockstep
+
+bp = Blueprint("openapi", __name__)
+
+OPENAPI_VERSION = "3.1.0"
+JSON = "application/json"
+FINISH_REASONS = ["stop", "length", "abort"]
+ROLES = list(shapes.ROLES)
+MAX_TEMPERATURE = 100  # engine/sampling.py checks it inline
+
+
+@bp.get("/openapi.json")
+def openapi_document():
+    return jsonify(build_document(lockstep()))
+
+
+def build_document(state: AppState) -> dict:
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "lockstep", "version": _version(),
+                 "description": "A small LLM server: REST generate calls, an OpenAI-compatible non-streaming subset, "
+                                "and token streaming over the WebSocket at /ws. Validation errors are 400 with a "
+                                "`code` of missing_field, invalid_value, unsupported_field or "
+                                "context_length_exceeded, and `param` naming the field."},
+        "paths": _paths(),
+        "components": {"schemas": _schemas(state), "responses": _shared_responses(),
+                       "securitySchemes": {"bearerAuth": {
+                           "type": "http", "scheme": "bearer",
+                           "description": "Required only when the server sets LOCKSTEP_API_KEY."}}},
+        # Either no key (a server without LOCKSTEP_API_KEY) or the bearer key.
+        "security": [{}, {"bearerAuth": []}],
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lockstep")
+    except PackageNotFoundError:
+        return "0"
+
+
+# -- paths --------------------------------------------------------------------------------------------------------
+
+def _paths() -> dict:
+    open_access = {"security": [{}]}
+    return {
+        "/basic_generate": {"post": _generate_operation(
+            "basicGenerate", "One prompt, the whole answer", "BasicGenerateRequest", "BasicGenerateResponse")},
+        "/generate": {"post": _generate_operation(
+            "generate", "Several prompts batched; answers in the prompts' order", "GenerateRequest",
+            "GenerateResponse")},
+        "/v1/completions": {"post": _generate_operation(
+            "createCompletion", "OpenAI completions (not streaming: stream over /ws)", "CompletionRequest",
+            "Completion")},
+        "/v1/chat/completions": {"post": _generate_operation(
+            "createChatCompletion", "OpenAI chat completions (not streaming: stream over /ws)", "ChatRequest",
+            "ChatCompletion")},
+        "/tokenize": {"post": _operation("tokenize", "Token ids of a prompt, or of messages with the chat template",
+                                         _ok("TokenizeResponse"), request="TokenizeRequest")},
+        "/v1/models": {"get": _operation("listModels", "The served model", _ok("ModelList"))},
+        "/v1/models/{model}": {"get": {
+            **_operation("retrieveModel", "The model card, if `model` is the served model's id",
+                         {**_ok("Model"), "404": _error_ref("NotFound")}),
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]}},
+        "/health": {"get": {**_operation("health", "The process is up", _ok("Health")), **open_access}},
+        "/ready": {"get": {**_operation("ready", "200 when this instance should get traffic", {
+            **_ok("Ready"),
+            "503": {"description": "Loading, restarting or draining", "headers": _retry_after(),
+                    "content": {JSON: {"schema": _ref("NotReady")}}}}), **open_access}},
+        "/metrics": {"get": {**_operation("metrics", "Prometheus metrics", {"200": {
+            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+            **open_access}},
+        "/openapi.json": {"get": _operation("openapi", "This document", {"200": {
+            "description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}})},
+        "/": {"get": {**_operation("chatPage", "The browser chat page", {"200": {
+            "description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}), **open_access}},
+        "/ws": {"get": _operation("websocket", _WS_DESCRIPTION, {
+            "101": {"description": "Switching Protocols: the socket is open"},
+            "400": _error_ref("BadRequest"), "426": _error_ref("UpgradeRequired")})},
+    }
+
+
+_WS_DESCRIPTION = (
+    "WebSocket upgrade. Frames are JSON text with a `type`. Client: `{type: generate, id, prompt | messages, "
+    "...sampling fields}` (the fields of /basic_generate), `{type: cancel, id}`, `{type: auth, api_key}` (first "
+    "frame, when the server has a key and the handshake had none). Server: `start`, `delta {id, text}` (with "
+    "`index` and `logprobs` for n > 1 or logprobs), `done {id, finish_reason, usage, timing}`, `error {id, code, message, param}` (the socket stays usable). A request without "
+    "an upgrade is 400 `invalid_handshake`; more sockets than LOCKSTEP_MAX_SOCKETS, 503.")
+
+
+# Request examples (schemathesis sends them too, so every response shape is checked at least once).
+_EXAMPLES = {
+    "BasicGenerateRequest": {"plain": {"prompt": "The capital of France is", "max_tokens": 8},
+                             "samples": {"prompt": "Once upon a time", "max_tokens": 4, "n": 2, "temperature": 0.8,
+                                         "seed": 1, "logprobs": 2}},
+    "GenerateRequest": {"batch": {"prompts": ["1, 2, 3,", "Roses are red,"], "max_tokens": 6, "stop": ["\n"]}},
+    "CompletionRequest": {"logprobs": {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4,
+                                       "logprobs": 2, "echo": True},
+                          "token ids": {"prompt": [[504, 3153, 282], [19556, 314]], "max_tokens": 4}},
+    "ChatRequest": {"chat": {"model": "smollm2", "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2,
+                             "messages": [{"role": "developer", "content": "Answer briefly."},
+                                          {"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]},
+                    "json": {"messages": [{"role": "user", "content": "A JSON object with a name"}],
+                             "max_tokens": 16, "response_format": {"type": "json_object"}}},
+    "TokenizeRequest": {"prompt": {"prompt": "Hello world"}},
+}
+
+
+def _generate_operation(operation_id: str, summary: str, request: str, response: str) -> dict:
+    return _operation(operation_id, summary, {**_ok(response), "413": _error_ref("TooLarge"),
+                                              "429": _error_ref("Overloaded"), "504": _error_ref("DeadlineExceeded")},
+                      request=request)
+
+
+def _operation(operation_id: str, summary: str, responses: dict, request: str | None = None) -> dict:
+    operation = {"operationId": operation_id, "summary": summary,
+                 "responses": {**responses, "4XX": _error_ref("ClientError"), "5XX": _error_ref("ServerError")}}
+    if request is not None:
+        examples = {name: {"value": value} for name, value in _EXAMPLES.get(request, {}).items()}
+        operation["requestBody"] = {"required": True,
+                                    "content": {JSON: {"schema": _ref(request), "examples": examples}}}
+        operation["responses"].setdefault("400", _error_ref("BadRequest"))
+    return operation
+
+
+def _ok(schema_name: str) -> dict:
+    return {"200": {"description": "OK", "content": {JSON: {"schema": _ref(schema_name)}}}}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _error_ref(name: str) -> dict:
+    return {"$ref": f"#/components/responses/{name}"}
+
+
+def _retry_after() -> dict:
+    return {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "string"}}}
+
+
+def _shared_responses() -> dict:
+    def error(description: str, headers: dict | None = None) -> dict:
+        response = {"description": description, "content": {JSON: {"schema": _ref("Error")}}}
+        if headers:
+            response["headers"] = headers
+        return response
+
+    return {
+        "BadRequest": error("A body that cannot be read (invalid_json, invalid_utf8, invalid_content_type, "
+                            "invalid_body) or a field that is wrong (missing_field, invalid_value, "
+                            "unsupported_field, context_length_exceeded; `param` names it)"),
+        "NotFound": error("No such route, or no such model (model_not_found)"),
+        "TooLarge": error("The body is over LOCKSTEP_MAX_BODY_BYTES (request_entity_too_large)"),
+        "UpgradeRequired": error("Only WebSocket version 13"),
+        "Overloaded": error("The waiting queue is full (overloaded)", _retry_after()),
+        "DeadlineExceeded": error("The request ran past its deadline (deadline_exceeded)"),
+        "ClientError": error("Other client errors: 401 a key is required, 403 origin not allowed, 404 not found, "
+                             "405 method not allowed (with Allow), 421 a non-loopback Host on a loopback bind"),
+        "ServerError": error("503 loading, restarting or draining (Retry-After), 500 worker or internal failure",
+                             _retry_after()),
+    }
+
+
+# -- schemas ------------------------------------------------------------------------------------------------------
+
+def _schemas(state: AppState) -> dict:
+    sampling = _sampling_properties(state)
+    chat_sampling = {name: value for name, value in sampling.items() if name != "echo"}
+    return {
+        "Error": _error_schema(),
+        "BasicGenerateRequest": _request({"prompt": _TEXT}, sampling, required=["prompt"]),
+        "GenerateRequest": _request({"prompts": {"type": "array", "items": _TEXT, "minItems": 1,
+                                                 "maxItems": state.settings.max_prompts}},
+                                    sampling, required=["prompts"]),
+        "CompletionRequest": _request({"prompt": _completion_prompt(state.settings.max_prompts)},
+                                      sampling | _openai_common(), required=["prompt"]),
+        "ChatRequest": _request({"messages": _ref("Messages"), "max_completion_tokens": _nullable(_max_tokens())},
+                                chat_sampling | _openai_common(), required=["messages"]),
+        "TokenizeRequest": {"type": "object", "additionalProperties": False,
+                            "properties": {"prompt": _TEXT, "messages": _ref("Messages"), "model": _nullable(_STRING)},
+                            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+        "Messages": {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES, "items": _message()},
+        "Usage": _object({"prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT}),
+        "Timing": _object({"queue_ms": _NUMBER, "ttft_ms": _nullable(_NUMBER), "e2e_ms": _NUMBER,
+                           "tokens_per_s": _NUMBER}),
+        "BasicGenerateResponse": _with_optional(
+            _object({"generated_text": _STRING, "finish_reason": _FINISH, "usage": _ref("Usage"),
+                     "timing": _ref("Timing")}),
+            choices={**_array(_ref("SampleChoice")), "description": "With n > 1 or logprobs: every sample"}),
+        "GenerateResponse": _with_optional(
+            _object({"generated_texts": _array(_STRING), "finish_reasons": _array(_FINISH), "usage": _ref("Usage")}),
+            choices={**_array(_array(_ref("SampleChoice"))), "description": "With n > 1 or logprobs: per prompt"}),
+        "SampleChoice": _object({"index": _COUNT, "text": _STRING, "finish_reason": _FINISH,
+                                 "logprobs": _nullable(_ref("ChatLogprobs"))}),
+        "Completion": _openai_envelope("text_completion", _object({
+            "index": _COUNT, "text": _STRING, "finish_reason": _FINISH,
+            "logprobs": _nullable(_ref("CompletionLogprobs"))})),
+        "ChatCompletion": _openai_envelope("chat.completion", _object({
+            "index": _COUNT, "finish_reason": _FINISH, "logprobs": _nullable(_ref("ChatLogprobs")),
+            "message": _object({"role": {"const": "assistant"}, "content": _STRING})})),
+        "ChatLogprobs": _object({"content": _array(_object({
+            **_token_logprob()["properties"], "top_logprobs": _array(_token_logprob())}))}),
+        "CompletionLogprobs": _object({
+            "tokens": _array(_STRING), "token_logprobs": _array(_nullable(_NUMBER)),
+            "top_logprobs": _array(_nullable({"type": "object", "additionalProperties": _NUMBER})),
+            "text_offset": _array(_COUNT)}),
+        "Model": _object({"id": _STRING, "object": {"const": "model"}, "created": _COUNT, "owned_by": _STRING}),
+        "ModelList": _object({"object": {"const": "list"}, "data": _array(_ref("Model"))}),
+        "TokenizeResponse": _object({"tokens": _array(_COUNT), "count": _COUNT, "max_model_len": _COUNT}),
+        "Health": _object({"status": {"const": "ok"}}),
+        "Ready": _object({"status": {"const": "ready"}, "model": _STRING}),
+        "NotReady": _object({"status": {"const": "not_ready"}, "reason": _STRING}),
+    }
+
+
+_STRING = {"type": "string"}
+_TEXT = {"type": "string", "minLength": 1, "pattern": r"\S", "description": "Non-empty text"}
+_NUMBER = {"type": "number"}
+_COUNT = {"type": "integer", "minimum": 0}
+_FINISH = {"type": "string", "enum": FINISH_REASONS}
+
+
+def _nullable(schema: dict) -> dict:
+    """OpenAI's optional fields may be sent as null, meaning absent."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _object(properties: dict) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def _with_optional(schema: dict, **optional: dict) -> dict:
+    return {**schema, "properties": {**schema["properties"], **optional}}
+
+
+def _token_logprob() -> dict:
+    """One token's log-probability, as OpenAI's chat shape: `bytes` are exact where `token` may show U+FFFD."""
+    return _object({"token": _STRING, "logprob": _NUMBER, "bytes": _array({"type": "integer", "minimum": 0,
+                                                                           "maximum": 255})})
+
+
+def _array(items: dict) -> dict:
+    return {"type": "array", "items": items}
+
+
+def _request(own: dict, shared: dict, required: list[str]) -> dict:
+    return {"type": "object", "additionalProperties": False, "properties": {**shared, **own}, "required": required}
+
+
+def _error_schema() -> dict:
+    return _object({"error": _object({"message": _STRING, "type": _STRING, "param": _nullable(_STRING),
+                                      "code": _STRING})})
+
+
+def _openai_envelope(obj: str, choice: dict) -> dict:
+    return _object({"id": _STRING, "object": {"const": obj}, "created": _COUNT, "model": _STRING,
+                    "choices": {"type": "array", "minItems": 1, "items": choice}, "usage": _ref("Usage")})
+
+
+def _max_tokens() -> dict:
+    return {"type": "integer", "minimum": 1, "description": "At most the model's context length"}
+
+
+def _completion_prompt(max_prompts: int) -> dict:
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                 "description": "Token ids of this model's vocabulary"}
+    return {"oneOf": [
+        _TEXT,
+        {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": _TEXT},
+        token_ids,
+        {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": token_ids},
+    ]}
+
+
+def _message() -> dict:
+    text_part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": _STRING}}
+    content = {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": text_part}]}
+    tool_fields = {name: {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+                   for name in shapes.MESSAGE_TOOL_FIELDS}
+    return {"type": "object", "additionalProperties": False, "required": ["role", "content"],
+            "properties": {"role": {"enum": ROLES}, "content": content, "name": _STRING, **tool_fields},
+            "description": "developer is read as system; text parts are joined by newlines; name is not used"}
+
+
+def _openai_common() -> dict:
+    return {"model": _nullable(_STRING), "user": _nullable(_STRING), "metadata": _nullable({"type": "object"}),
+            "store": {"enum": [False, None], "description": "This server keeps no completions"},
+            "stream": {"enum": [False, None], "description": "Streaming is served over the WebSocket at /ws"},
+            **_not_implemented_fields()}
+
+
+def _not_implemented_fields() -> dict:
+    """OpenAI's fields this server does not implement: accepted only as null, or with a value that means
+    "not used" (an empty tools list, tool_choice "none")."""
+    return {name: {"enum": [*shapes.NOT_USED.get(name, ()), None], "description": why}
+            for name, why in shapes.NOT_IMPLEMENTED.items()}
+
+
+def _sampling_properties(state: AppState) -> dict:
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+    max_stop = state.engine.config.max_stop_strings
+    return {
+        "max_tokens": _nullable(_max_tokens()),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE,
+                                  "description": "0 = greedy"}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": 0, "description": "0 = off"}),
+        "stop": _nullable({"anyOf": [stop_string, {"type": "array", "maxItems": max_stop, "items": stop_string}]}),
+        "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+        "ignore_eos": {"type": "boolean"},
+        "timeout": _nullable({"type": "number", "exclusiveMinimum": 0,
+                              "description": "Seconds; shortens the server's request deadline"}),
+        **_sampling_engineer_fields(),
+    }
+
+
+def _sampling_engineer_fields() -> dict:
+    """Penalties, logit bias, min_tokens, samples, logprobs, echo and JSON mode."""
+    penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
+    low, high = REPETITION_PENALTY_RANGE
+    return {
+        "presence_penalty": _nullable(penalty),
+        "frequency_penalty": _nullable(penalty),
+        "repetition_penalty": _nullable({"type": "number", "minimum": low, "maximum": high,
+                                         "description": "1 = off (vLLM's semantics)"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                                 "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                          "maximum": MAX_LOGIT_BIAS},
+                                 "description": "Token id (of this model's vocabulary) -> bias"}),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "At most max_tokens"}),
+        "n": _nullable({"type": "integer", "minimum": 1}),
+        "best_of": _nullable({"type": "integer", "minimum": 1, "description": "At least n"}),
+        "logprobs": _nullable({"anyOf": [{"type": "boolean"},
+                                         {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}],
+                               "description": "Chat: true/false (with top_logprobs); completions: the number "
+                                              "of top logprobs"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "With logprobs: true"}),
+        "echo": {"type": "boolean", "description": "The prompt comes back before the answer"},
+        "response_format": _nullable(_response_format()),
+    }
+
+
+def _response_format() -> dict:
+    json_schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+                   "properties": {"name": {"type": "string", "maxLength": 64}, "description": _STRING,
+                                  "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}
+    return {"oneOf": [
+        {"type": "object", "additionalProperties": False, "required": ["type"],
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"],
+         "properties": {"type": {"const": "json_schema"}, "json_schema": json_schema}},
+    ]}
