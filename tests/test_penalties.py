@@ -6,7 +6,7 @@ import torch
 
 from engine import EngineConfig
 from engine.backends.hf import HFBackend
-from engine.backends.sampler import TokenSampler
+from engine.backends.sampler import TokenSampler, _nucleus, keep_top_p
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import NewRequest, WorkerSampling
 
@@ -129,3 +129,12 @@ def test_stop_strings_count_only_past_min_tokens():
     for char in "abab":
         detokenizer.add_token(ord(char))
     assert detokenizer.stopped_by == "b" and detokenizer.text == "aba"  # the "b" at token 2 did not stop it
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])  # flat (the full sort) to peaked (the candidates suffice)
+def test_top_p_keeps_exactly_what_a_full_sort_keeps(scale):
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    for _ in range(20):
+        probs = torch.softmax(torch.randn(49152, generator=generator) * scale, -1)
+        for top_p in (0.1, 0.9, 0.999):
+            assert torch.equal(keep_top_p(probs, top_p), _nucleus(probs, *torch.sort(probs, descending=True), top_p))
