@@ -146,6 +146,8 @@ def _resolve_aliases(body: dict, shape: RequestShape) -> dict:
     for alias, name in shape.aliases.items():
         if body.get(alias) is None:
             continue
+        if not _is_int(body[alias]) or body[alias] < 1:
+            raise invalid_value(alias, f"{alias} must be an integer of at least 1")
         if body.get(name) is not None and body[name] != body[alias]:
             raise invalid_value(alias, f"{alias} and {name} are the same limit: send one, or the same value")
         body = {**{k: v for k, v in body.items() if k != alias}, name: body[alias]}

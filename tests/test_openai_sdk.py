@@ -71,6 +71,16 @@ def test_completions_take_token_id_prompts(server):
     assert (refused.value.code, refused.value.param) == ("invalid_value", "prompt")
 
 
+def test_the_python_client_streams_what_the_sdk_gets(server):
+    from lockstep_client import Client
+
+    messages = [{"role": "developer", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
+    reply = sdk(server).chat.completions.create(model="smollm2", messages=messages, max_tokens=20, **GREEDY)
+    pieces = list(Client(server.url).stream(messages=messages, max_tokens=20, temperature=0))
+    assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content
+
+
 # -- the validation surface (backend-independent: the transformers backend) ------------------------------------
 
 @pytest.fixture(scope="module")
@@ -97,6 +107,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("chat", {"stream_options": {"include_usage": True}}, "unsupported_field", "stream_options"),
     ("chat", {"store": True}, "unsupported_field", "store"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "invalid_value", "max_completion_tokens"),
+    ("chat", {"max_completion_tokens": 0}, "invalid_value", "max_completion_tokens"),
+    ("chat", {"extra_body": {"max_completion_tokens": 2.5}}, "invalid_value", "max_completion_tokens"),
     ("chat", {"extra_body": {"frobnicate": 1}}, "unsupported_field", "frobnicate"),
     ("chat", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
@@ -123,6 +135,22 @@ def test_bad_requests_are_bad_request_errors_naming_the_field(hf_server, call, f
     error = refused.value
     assert (error.status_code, error.code, error.param) == (400, code, param), error.message
     assert error.code in VALIDATION_CODES and error.body["message"]
+
+
+@pytest.mark.parametrize("raw, code, param", [
+    (b'"temperature": NaN', "invalid_value", "temperature"),
+    (b'"max_completion_tokens": 1e-300', "invalid_value", "max_completion_tokens"),
+    (b'"\\ud800' + b"x" * 500 + b'": 1', "unsupported_field", "?" + "x" * 63),  # a lone surrogate, 501 chars
+    (b'"prompt_logprobs": 1', "unsupported_field", "prompt_logprobs"),
+    (b'"messages": [{"role": "user", "content": [' + b'{"type": "text", "text": "a"},' * 20000 +
+     b'{"type": "input_audio", "input_audio": {}}]}]', "unsupported_field", "messages"),
+])
+def test_hostile_values_the_sdk_cannot_send(hf_server, raw, code, param):
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, ' + raw + b"}"
+    if raw.startswith(b'"messages"'):
+        body = b'{"max_tokens": 2, ' + raw + b"}"
+    status, _, answer = http("POST", hf_server.url + "/v1/chat/completions", body)
+    assert (status, answer["error"]["code"], answer["error"]["param"]) == (400, code, param), answer
 
 
 def test_stream_true_is_refused_with_a_pointer_to_the_websocket(hf_server):
