@@ -138,3 +138,10 @@ def test_top_p_keeps_exactly_what_a_full_sort_keeps(scale):
         probs = torch.softmax(torch.randn(49152, generator=generator) * scale, -1)
         for top_p in (0.1, 0.9, 0.999):
             assert torch.equal(keep_top_p(probs, top_p), _nucleus(probs, *torch.sort(probs, descending=True), top_p))
+
+
+def test_plain_greedy_is_only_said_of_a_sampler_with_nothing_to_do():
+    assert TokenSampler(WorkerSampling(), CPU).is_plain_greedy
+    for sampling in (WorkerSampling(temperature=1.0), WorkerSampling(logprobs=0), WorkerSampling(min_tokens=2),
+                     WorkerSampling(logit_bias=((1, 1.0),)), WorkerSampling(presence_penalty=0.1)):
+        assert not TokenSampler(sampling, CPU).is_plain_greedy

@@ -138,6 +138,13 @@ class TokenSampler:
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """argmax of the raw logits is this sampler's whole job (no draw, mask, processor or logprobs): a
+        backend may then pick the token for a whole batch at once without calling it (and then skip `accept`)."""
+        return self.generator is None and self.constraint is None and self._state is None \
+            and not self.wants_logprobs
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token id as a 0-d tensor on the logits' device. No `int()` here: on CUDA that would wait
         for the GPU once per row; the caller copies a whole batch's tokens to the host at once."""
