@@ -195,6 +195,8 @@ def test_socket_frames_use_the_same_shapes_and_codes(hf_server):
 @pytest.mark.parametrize("method, path, status, allow", [
     ("GET", "/nope", 404, None),
     ("GET", "/static/nope.js", 404, None),
+    ("POST", "/static/app.js", 405, {"GET", "HEAD", "OPTIONS"}),
+    ("PUT", "/", 405, {"GET", "HEAD", "OPTIONS"}),
     ("GET", "/v1/models/nope/nested", 404, None),
     ("POST", "/health", 405, {"GET", "HEAD", "OPTIONS"}),
     ("GET", "/v1/chat/completions", 405, {"POST", "OPTIONS"}),
