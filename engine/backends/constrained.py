@@ -64,7 +64,11 @@ def parse_response_format(value) -> str | None:
             schema = _schema_of(value.get("json_schema"))
         case _:
             raise InvalidRequest('response_format.type must be "text", "json_object" or "json_schema"', PARAM)
-    schema_text = json.dumps({**schema, "x-guidance": GRAMMAR_OPTIONS})
+    try:
+        schema_text = json.dumps({**schema, "x-guidance": GRAMMAR_OPTIONS}, allow_nan=False)
+    except ValueError:  # the body parser takes NaN and Infinity; JSON Schema has no such numbers
+        raise InvalidRequest("the response_format schema holds NaN or Infinity, which JSON does not have", PARAM) \
+            from None
     check_compiles(schema_text)
     return schema_text
 
