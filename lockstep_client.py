@@ -51,7 +51,8 @@ class Client:
     # -- WebSocket: a generator per request -------------------------------------------------------------------
 
     def stream(self, prompt: str | None = None, *, messages: list | None = None, **fields) -> Iterator[str]:
-        """Yield the answer's text piece by piece. `fields` are the server's sampling fields (max_tokens, ...)."""
+        """Yield the answer's text piece by piece. `fields` are the server's sampling fields (max_tokens, ...).
+        With n > 1 the samples' pieces interleave: `events` tells them apart by each frame's `index`."""
         for frame in self.events(prompt, messages=messages, **fields):
             if frame["type"] == "delta":
                 yield frame["text"]
