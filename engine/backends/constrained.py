@@ -95,7 +95,7 @@ def _schema_of(spec) -> dict:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
         raise InvalidRequest(f"response_format.json_schema.name must be a string of 1 to {MAX_NAME_LENGTH} "
                              "characters", PARAM)
-    if not isinstance(spec.get("description", ""), str):
+    if not isinstance(spec.get("description"), (str, type(None))):
         raise InvalidRequest("response_format.json_schema.description must be a string", PARAM)
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequest("response_format.json_schema.strict must be true or false", PARAM)
@@ -109,7 +109,7 @@ def _schema_of(spec) -> dict:
 def _refuse_unknown_keys(value: dict, known: set[str], where: str) -> None:
     unknown = sorted(set(value) - known)
     if unknown:
-        raise InvalidRequest(f"{where} does not take {', '.join(map(repr, unknown))[:200]} "
+        raise InvalidRequest(f"{where} does not take {', '.join(repr(key[:40]) for key in unknown[:5])} "
                              f"(it takes {', '.join(sorted(known))})", PARAM)
 
 
