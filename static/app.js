@@ -32,8 +32,9 @@
   const ERROR_TEXTS = {
     context_length_exceeded: "This conversation is longer than the model can read. Start a new chat or shorten " +
                              "your message.",
-    invalid_request: "The server could not accept this request.",
     invalid_value: "The server could not accept this request.",
+    missing_field: "The server could not accept this request.",
+    unsupported_field: "The server could not accept this request.",
     overloaded: "The server is busy with other requests. Try again in a moment.",
     not_ready: "The model is still loading. Try again when the badge says connected.",
     worker_failed: "The model stopped unexpectedly and is being restarted. Try again in a moment.",
@@ -47,7 +48,7 @@
     invalid_api_key: "The API key was not accepted: check it under Settings.",
     unauthorized: "The server needs an API key: enter it under Settings.",
   };
-  const SHOW_SERVER_MESSAGE = new Set(["context_length_exceeded", "invalid_request", "invalid_value"]);
+  const SHOW_SERVER_MESSAGE = new Set(["context_length_exceeded", "invalid_value", "missing_field", "unsupported_field"]);
   const RECHECK_READY_AFTER = new Set(["not_ready", "worker_failed", "worker_busy"]);
 
   // Server limits, from GET /v1/models; the fallbacks match the server's defaults until the card has arrived.
