@@ -25,15 +25,26 @@ from .peers import SERVED_NAME, ServerConfig, start_server
 logger = logging.getLogger(__name__)
 
 CONFIGS = {
-    "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True),
-    "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),)),
+    "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True,
+                       description="gunicorn as `make serve` starts it, no settings"),
+    "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),),
+                              description="`LOCKSTEP_POLICY=static`"),
     # One request at a time: 2 requests per client would take minutes at 16 clients, so each client sends one.
     "hf-none": ServerConfig("lockstep hf, policy none", "lockstep", (("LOCKSTEP_POLICY", "none"),),
-                            requests_per_client=1),
+                            requests_per_client=1,
+                            description="`LOCKSTEP_POLICY=none` (one request per client, to bound the run)"),
     "vllm": ServerConfig("lockstep vllm (batch 16)", "lockstep",
-                         (("LOCKSTEP_BACKEND", "vllm"), ("LOCKSTEP_MAX_BATCH_SIZE", "16")), in_length_sweep=True),
-    "vllm-server": ServerConfig("vLLM server", "vllm-server", is_peer=True, in_length_sweep=True),
-    "llama-cpp": ServerConfig("llama.cpp server", "llama-cpp", is_peer=True, in_length_sweep=True),
+                         (("LOCKSTEP_BACKEND", "vllm"), ("LOCKSTEP_MAX_BATCH_SIZE", "16")), in_length_sweep=True,
+                         description="`LOCKSTEP_BACKEND=vllm LOCKSTEP_MAX_BATCH_SIZE=16`"),
+    "vllm-server": ServerConfig("vLLM server", "vllm-server", is_peer=True, in_length_sweep=True,
+                                description="`python -m vllm.entrypoints.openai.api_server --dtype bfloat16 "
+                                            "--enforce-eager --max-num-seqs 16`, 1 GiB of KV cache as lockstep's "
+                                            "vLLM backend, `ignore_eos` in the body"),
+    "llama-cpp": ServerConfig("llama.cpp server", "llama-cpp", is_peer=True, in_length_sweep=True,
+                              description="`python -m llama_cpp.server` on the embedded Q4_1 GGUF, `--n_threads 2 "
+                                          "--n_ctx 8192 --interrupt_requests False` (by default a new request cuts "
+                                          "off the stream in progress); it has no `ignore_eos`, so its special "
+                                          "tokens are banned with `logit_bias`"),
 }
 STANDARD = "hf,hf-static,hf-none,vllm,vllm-server,llama-cpp"
 READY_TIMEOUT_S = 300

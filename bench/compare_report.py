@@ -230,16 +230,12 @@ class Report:
             "",
             f"Load, the same for every server: SmolLM2-135M-Instruct, the built-in prompts (13 to 20 tokens), "
             f"{self.plan.output_len} output tokens per request with `ignore_eos`, greedy; {clients} closed-loop "
-            f"clients ({self.plan.requests_per_client} requests each, `policy none` 1 each to bound the run; one "
-            "warm-up request first), streaming: "
+            f"clients ({self.plan.requests_per_client} requests each unless said below; one warm-up request "
+            "first), streaming: "
             "lockstep over /ws, the others over SSE on /v1/completions. Output tokens are counted with the model's "
             "tokenizer on the text received; the metrics are vLLM's benchmark's (bench/serve_metrics.py). "
-            "Servers run one after another: lockstep hf with its defaults (gunicorn as `make serve` starts it), "
-            "the same with `LOCKSTEP_POLICY=static` and `none`, lockstep's vLLM backend with "
-            "`LOCKSTEP_MAX_BATCH_SIZE=16`, vLLM's own OpenAI server (`--dtype bfloat16 --enforce-eager "
-            "--max-num-seqs 16`, KV cache 1 GiB as lockstep's backend), and llama-cpp-python's server on the "
-            "embedded Q4_1 GGUF (`--n_threads 2 --interrupt_requests False`; it has no `ignore_eos`, so its "
-            "special tokens are banned with `logit_bias`).",
+            "Servers run one after another: " + "; ".join(f"{r.config.name}: {r.config.description}"
+                                                          for r in self.results) + ".",
             "",
             *sweep_table(self.results, self.plan),
             "",

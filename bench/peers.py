@@ -32,6 +32,7 @@ class ServerConfig:
     is_peer: bool = False  # a server a user would pick instead of lockstep
     in_length_sweep: bool = False  # also measured at outputs of 64 / 256 / 1,024 tokens
     requests_per_client: int | None = None  # None: the plan's; 1 bounds a server that serves one at a time
+    description: str = ""  # how it runs, for the report
 
     @property
     def api(self) -> str:

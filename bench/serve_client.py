@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 EOS_METHODS = ("field", "logit-bias", "none")  # how `ignore_eos` is asked for (see `Sampling`)
 BANNED_LOGIT_BIAS = -100  # OpenAI's logit_bias range is [-100, 100]; -100 bans a token
 READ_CHUNK_BYTES = 65536
+REUSE_IDLE_S = 10.0  # lockstep pings every 25 s and closes a socket that missed the previous pong
+CLOSE_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class LockstepWebSocket:
         self.timeout_s = timeout_s
         self.headers = _auth_headers(api_key)
         self._local = threading.local()
-        self._sockets: list[websocket.WebSocket] = []
+        self._idle_since: dict[websocket.WebSocket, float | None] = {}  # every open socket; None while in use
         self._lock = threading.Lock()
 
     def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
@@ -102,8 +104,10 @@ class LockstepWebSocket:
                             "max_tokens": spec.output_len, **sampling.body_fields()})
         stopwatch = _Stopwatch(result)
         try:
-            ws = self._send_frame(frame)
+            ws = self._socket_for_request()
+            ws.send(frame)
             self._read_until_finished(ws, stopwatch)
+            self._mark_idle(ws)
         except (websocket.WebSocketException, OSError, ValueError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             self._drop_socket()  # frames of the failed request may still come; cancel it by closing
@@ -112,36 +116,40 @@ class LockstepWebSocket:
 
     def close(self) -> None:
         with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for ws in sockets:
-            ws.close()
+            sockets, self._idle_since = self._idle_since, {}
+        for ws, idle_since in sockets.items():
+            _close_socket(ws, idle_since)
 
-    def _send_frame(self, frame: str) -> websocket.WebSocket:
-        """Send on this thread's socket; a socket the server closed while idle is replaced once."""
+    def _socket_for_request(self) -> websocket.WebSocket:
+        """This thread's socket, kept between its requests like an HTTP keep-alive; one idle for longer than
+        REUSE_IDLE_S is replaced (nothing reads it while idle, so it answers no pings, and the server closes a
+        socket that misses one)."""
         ws = getattr(self._local, "ws", None)
-        if ws is not None:
-            try:
-                ws.send(frame)
+        with self._lock:
+            idle_since = self._idle_since.get(ws)
+            if ws is not None and idle_since is not None and time.monotonic() - idle_since < REUSE_IDLE_S:
+                self._idle_since[ws] = None
                 return ws
-            except (websocket.WebSocketConnectionClosedException, OSError):
-                self._drop_socket()
-        ws = self._connect()
-        ws.send(frame)
-        return ws
-
-    def _connect(self) -> websocket.WebSocket:
+        self._drop_socket()
         ws = websocket.create_connection(self.ws_url, timeout=self.timeout_s,
                                          header=[f"{k}: {v}" for k, v in self.headers.items()])
         self._local.ws = ws
         with self._lock:
-            self._sockets.append(ws)
+            self._idle_since[ws] = None
         return ws
+
+    def _mark_idle(self, ws: websocket.WebSocket) -> None:
+        with self._lock:
+            if ws in self._idle_since:
+                self._idle_since[ws] = time.monotonic()
 
     def _drop_socket(self) -> None:
         ws = getattr(self._local, "ws", None)
         self._local.ws = None
         if ws is not None:
-            ws.close()
+            with self._lock:
+                idle_since = self._idle_since.pop(ws, None)
+            _close_socket(ws, idle_since)
 
     @staticmethod
     def _read_until_finished(ws: websocket.WebSocket, stopwatch: _Stopwatch) -> None:
@@ -159,6 +167,15 @@ class LockstepWebSocket:
                 case "error":
                     result.error = f"{message.get('code')}: {message.get('message')}"
                     return
+
+
+def _close_socket(ws: websocket.WebSocket, idle_since: float | None) -> None:
+    """A close handshake, unless the socket sat idle so long that the server has closed it already (then reading its
+    close frame would only log the server's 1008 "ping timeout")."""
+    if idle_since is not None and time.monotonic() - idle_since >= REUSE_IDLE_S:
+        ws.shutdown()
+    else:
+        ws.close(timeout=CLOSE_TIMEOUT_S)
 
 
 class _HttpTarget:

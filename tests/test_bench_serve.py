@@ -261,10 +261,9 @@ def test_the_openai_client_streams_from_vllm_server(vllm_server, tokenizer):
 
 def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(tmp_path, smol_model_dir):
     docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n\nOther sections stay.\n")
-    args = ["--configs", "hf", "--concurrency", "1,2", "--output-len", "4", "--lengths", "6",
-            "--out-dir", str(tmp_path / "out"), "--docs", str(docs), "--no-progress"]
-    compare.main(args)
+    docs.write_text(f"# Benchmarks\n\nBefore.\n\n{SECTION_BEGIN}\nan older run\n{SECTION_END}\n\nAfter.\n")
+    compare.main(["--configs", "hf", "--concurrency", "1,2", "--output-len", "4", "--lengths", "6",
+                  "--out-dir", str(tmp_path / "out"), "--docs", str(docs), "--no-progress"])
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     hf = report["configs"][0]
     assert hf["name"] == compare.CONFIGS["hf"].name and hf["skipped"] is None and hf["ready_s"] > 0
@@ -274,13 +273,10 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     alone = next(p for p in hf["points"] if p["output_len"] == 6)
     assert alone["metrics"]["completed"] == 1 and alone["requests"][0]["server_output_tokens"] == 6
     text = docs.read_text()
-    assert text.startswith("# Benchmarks\n\nOther sections stay.\n")
-    assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1
-    assert "| lockstep hf (defaults) | 2 |" in text and "![" in text
+    assert text.startswith("# Benchmarks\n\nBefore.\n\n") and text.endswith("\n\nAfter.\n")
+    assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1 and "an older run" not in text
+    assert "| lockstep hf (defaults) | 2 |" in text and "![" in text and report["elapsed_s"] > 0
     assert (tmp_path / "bench-serving.png").read_bytes().startswith(b"\x89PNG")
-
-    compare.main(args)  # a second run replaces the section instead of adding one
-    assert docs.read_text().count(SECTION_BEGIN) == 1
 
 
 def _metrics(output_throughput: float, ttft_s: float):
