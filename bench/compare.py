@@ -15,6 +15,8 @@ import argparse
 import json
 import logging
 import math
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -143,7 +145,8 @@ def main(argv=None) -> None:
     results = [run_config(CONFIGS[key], args.plan, tokenizer, model_dir, out_dir, not args.no_progress)
                for key in args.configs.split(",")]
     elapsed = time.monotonic() - started
-    report = Report(args.plan, results, machine, elapsed)
+    command = shlex.join(["python", "-m", "bench", "compare", *(sys.argv[1:] if argv is None else argv)])
+    report = Report(args.plan, results, machine, elapsed, command)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.json").write_text(json.dumps(report.as_dict(), indent=1))
     plot_path = Path(args.docs).parent / "bench-serving.png" if args.docs else out_dir / "compare.png"
@@ -152,6 +155,7 @@ def main(argv=None) -> None:
     if args.docs:
         report.write_docs(Path(args.docs), plot_path)
     logger.info("compare: %d configurations in %.0f s (%s)", len(results), elapsed, out_dir / "compare.json")
+
 
 if __name__ == "__main__":
     main()

@@ -188,9 +188,11 @@ class Report:
     results: list[ConfigResult]
     machine: dict
     elapsed_s: float
+    command: str = "python -m bench compare"
 
     def as_dict(self) -> dict:
-        return {"plan": asdict(self.plan), "machine": self.machine, "elapsed_s": round(self.elapsed_s, 1),
+        return {"command": self.command, "plan": asdict(self.plan), "machine": self.machine,
+                "elapsed_s": round(self.elapsed_s, 1),
                 "configs": [{"name": r.config.name, "config": asdict(r.config), "skipped": r.skipped,
                              "ready_s": r.ready_s, "points": r.records} for r in self.results]}
 
@@ -221,7 +223,7 @@ class Report:
             "",
             "Command: `make bench` (it runs `python -m bench compare --docs docs/benchmarks.md`; "
             "`python -m bench serve --help` drives one server you started yourself). "
-            f"This run: {m['date']}, {self.elapsed_s / 60:.1f} minutes.",
+            f"This run: `{self.command}`, {m['date']}, {self.elapsed_s / 60:.1f} minutes.",
             "",
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU; load average "
             f"{m['load_average_at_start']} at the start (other work shares these cores: the benchmark client "
