@@ -1,7 +1,7 @@
 """Side by side: start each server configuration in turn, run the same sweep, stop it, compare.
 
     python -m bench compare [--configs hf,hf-static,hf-none,vllm,vllm-server,llama-cpp] [--concurrency 1,8,16]
-        [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--out-dir .cache/bench]
+        [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--deadline 120] [--out-dir .cache/bench]
         [--docs docs/benchmarks.md]
 
 Every configuration gets the same load (bench/serve.py): the built-in prompts, greedy, ignore_eos, closed-loop
@@ -85,7 +85,7 @@ def _run_sweep(result: ConfigResult, url: str, plan: Plan, tokenizer, show_progr
     for index, (clients, output_len, num_requests) in enumerate(points):
         target = serve.make_target(config.api, url, SERVED_NAME)
         specs = serve_data.builtin_requests(tokenizer, num_requests, output_len)
-        shape = serve.LoadShape(math.inf, 1.0, clients, plan.max_duration_s)
+        shape = serve.LoadShape(math.inf, 1.0, clients, plan.max_duration_s, plan.deadline_s)
         measurement = serve.measure(target, specs, sampling, shape, tokenizer, None, show_progress,
                                     f"{config.name} x{clients} {output_len} tokens")
         is_length_point = index >= len(plan.concurrency)
@@ -109,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="64,256,1024", help="output lengths for the per-token cost (one "
                                                                 "client); empty to skip")
     parser.add_argument("--max-duration", type=float, default=60.0, help="s per point before no new requests")
+    parser.add_argument("--deadline", type=float, default=120.0, help="s per point before the requests still "
+                                                                      "running are cut (and count as failed)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--docs", default=None, help="Markdown file whose serving section is rewritten")
     parser.add_argument("--no-progress", action="store_true")
@@ -117,11 +119,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown configs {unknown}: choose from {', '.join(CONFIGS)}")
     try:
-        args.plan = Plan(_ints(args.concurrency), args.output_len, _ints(args.lengths), args.max_duration)
+        args.plan = Plan(_ints(args.concurrency), args.output_len, _ints(args.lengths), args.max_duration,
+                         args.deadline)
     except ValueError as exc:
         parser.error(f"--concurrency and --lengths take comma lists of positive integers ({exc})")
-    if args.output_len < 1 or not 0 < args.max_duration < math.inf:
-        parser.error("--output-len must be at least 1 and --max-duration a positive number of seconds")
+    if args.output_len < 1 or not 0 < args.max_duration <= args.deadline < math.inf:
+        parser.error("--output-len must be at least 1, and 0 < --max-duration <= --deadline (seconds)")
     return args
 
 

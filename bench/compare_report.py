@@ -29,6 +29,7 @@ class Plan:
     output_len: int
     lengths: tuple[int, ...]
     max_duration_s: float
+    deadline_s: float
     requests_per_client: int = 2
 
 
@@ -233,7 +234,8 @@ class Report:
             f"Load, the same for every server: SmolLM2-135M-Instruct, the built-in prompts (13 to 20 tokens), "
             f"{self.plan.output_len} output tokens per request with `ignore_eos`, greedy; {clients} closed-loop "
             f"clients ({self.plan.requests_per_client} requests each unless said below; one warm-up request "
-            "first), streaming: "
+            f"first; no new request after {self.plan.max_duration_s:g} s of a point, and the ones still running "
+            f"at {self.plan.deadline_s:g} s are cut and count as failed), streaming: "
             "lockstep over /ws, the others over SSE on /v1/completions. Output tokens are counted with the model's "
             "tokenizer on the text received; the metrics are vLLM's benchmark's (bench/serve_metrics.py). "
             "Servers run one after another: " + "; ".join(f"{r.config.name}: {r.config.description}"

@@ -18,7 +18,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +41,7 @@ class LoadShape:
     burstiness: float = 1.0  # gamma shape of the gaps (1: Poisson), as vLLM's --burstiness
     max_concurrency: int | None = None  # requests in flight at most; None: no limit
     max_duration_s: float | None = None  # stop sending new requests after this long (bounds a sweep's time)
+    deadline_s: float | None = None  # cut the requests still running this long after the start (they fail)
     seed: int = 0
 
 
@@ -82,7 +83,8 @@ def run_load(target, specs: list[serve_data.RequestSpec], sampling: Sampling, sh
              show_progress: bool = True, label: str = "") -> RunOutcome:
     """Send `specs` by `shape` from a thread pool; return every sent request's result, in order. A request whose
     arrival comes while every slot is busy waits for one (in order), as in vLLM's benchmark; after
-    `max_duration_s` no new request starts, and the ones in flight finish."""
+    `max_duration_s` no new request starts, and the ones in flight finish, unless they run past `deadline_s`: those
+    are cut (their connections shut) and count as failed."""
     offsets = arrival_offsets(len(specs), shape)
     sent, futures = [], []
     workers = shape.max_concurrency or max(1, len(specs))
@@ -97,21 +99,48 @@ def run_load(target, specs: list[serve_data.RequestSpec], sampling: Sampling, sh
                 progress.update(1)
 
         started = time.perf_counter()
-        for spec, offset in zip(specs, offsets):
-            if (delay := started + offset - time.perf_counter()) > 0:
-                time.sleep(delay)  # the arrival schedule itself: nothing to wait on but the clock
-            slots.acquire()
-            if shape.max_duration_s is not None and time.perf_counter() - started > shape.max_duration_s:
-                slots.release()
-                break
-            future = pool.submit(target.send, spec, sampling)
-            future.add_done_callback(on_done)
-            sent.append(spec)
-            futures.append(future)
+        try:
+            for spec, offset in zip(specs, offsets):
+                if (delay := started + offset - time.perf_counter()) > 0:
+                    time.sleep(delay)  # the arrival schedule itself: nothing to wait on but the clock
+                if not slots.acquire(timeout=_time_left(started, shape.deadline_s)):
+                    break
+                if shape.max_duration_s is not None and time.perf_counter() - started > shape.max_duration_s:
+                    slots.release()
+                    break
+                future = pool.submit(target.send, spec, sampling)
+                future.add_done_callback(on_done)
+                sent.append(spec)
+                futures.append(future)
+            cut_at = _wait_or_cut(target, futures, started, shape.deadline_s)
+        except KeyboardInterrupt:
+            target.abort()  # end the requests in flight, so the pool can shut down
+            raise
         results = [future.result() for future in futures]
         duration = time.perf_counter() - started
     target.close()
+    if cut_at is not None:
+        _mark_cut(results, cut_at, shape.deadline_s)
     return RunOutcome(sent, results, duration)
+
+
+def _time_left(started: float, deadline_s: float | None) -> float | None:
+    return None if deadline_s is None else max(0.0, started + deadline_s - time.perf_counter())
+
+
+def _wait_or_cut(target, futures: list, started: float, deadline_s: float | None) -> float | None:
+    """Wait for every request; at the deadline, abort the ones still running and return when that was."""
+    _, pending = wait(futures, timeout=_time_left(started, deadline_s))
+    if not pending:
+        return None
+    target.abort()
+    return time.perf_counter()
+
+
+def _mark_cut(results: list[RequestResult], cut_at: float, deadline_s: float) -> None:
+    for result in results:
+        if not result.success and result.start_time + result.latency_s >= cut_at:
+            result.error = f"cut: still running at the {deadline_s:g} s deadline ({result.error})"
 
 
 def warm_up(target, sampling: Sampling) -> None:
@@ -202,6 +231,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson), inf = burst")
     parser.add_argument("--burstiness", type=float, default=1.0)
     parser.add_argument("--max-duration", type=float, default=None, help="s per point before no new requests")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="s per point before the requests still running are cut (counted as failed)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--goodput", nargs="*", metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
@@ -252,6 +283,10 @@ def check_load_arguments(args) -> None:
         raise ValueError("--burstiness must be a positive number")
     if not 0 <= args.range_ratio < 1:
         raise ValueError("--range-ratio must be in [0, 1)")
+    for name in ("max_duration", "deadline"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds")
     if args.output_len < 1 or args.input_len < 1 or args.num_requests < 0:
         raise ValueError("--output-len and --input-len must be at least 1, --num-requests at least 0")
 
@@ -274,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     label = args.label or f"{args.api} {args.url}"
     rows, records, points = [], [], []
     for max_concurrency in concurrencies:
-        shape = LoadShape(args.request_rate, args.burstiness, max_concurrency, args.max_duration, args.seed)
+        shape = LoadShape(args.request_rate, args.burstiness, max_concurrency, args.max_duration, args.deadline,
+                          args.seed)
         target = make_target(args.api, args.url, args.model, api_key=args.api_key)
         specs = requests_for(args, tokenizer, max_concurrency)
         measurement = measure(target, specs, sampling, shape, tokenizer, slos, not args.no_progress,

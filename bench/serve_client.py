@@ -10,6 +10,7 @@ Three protocols, each callable from many threads at once (every thread keeps its
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -120,6 +121,14 @@ class LockstepWebSocket:
         for ws, idle_since in sockets.items():
             _close_socket(ws, idle_since)
 
+    def abort(self) -> None:
+        """End every request still running, from another thread: their sockets are shut down under them (which
+        the server takes as a cancel)."""
+        with self._lock:
+            sockets = list(self._idle_since)
+        for ws in sockets:
+            _shut_down(ws.sock)
+
     def _socket_for_request(self) -> websocket.WebSocket:
         """This thread's socket, kept between its requests like an HTTP keep-alive; one idle for longer than
         REUSE_IDLE_S is replaced (nothing reads it while idle, so it answers no pings, and the server closes a
@@ -172,10 +181,23 @@ class LockstepWebSocket:
 def _close_socket(ws: websocket.WebSocket, idle_since: float | None) -> None:
     """A close handshake, unless the socket sat idle so long that the server has closed it already (then reading its
     close frame would only log the server's 1008 "ping timeout")."""
-    if idle_since is not None and time.monotonic() - idle_since >= REUSE_IDLE_S:
+    try:
+        if idle_since is not None and time.monotonic() - idle_since >= REUSE_IDLE_S:
+            ws.shutdown()
+        else:
+            ws.close(timeout=CLOSE_TIMEOUT_S)
+    except (websocket.WebSocketException, OSError):  # already shut down (an aborted request)
         ws.shutdown()
-    else:
-        ws.close(timeout=CLOSE_TIMEOUT_S)
+
+
+def _shut_down(sock: socket.socket | None) -> None:
+    """Wake a thread blocked reading `sock` (closing the descriptor alone would not)."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
 
 
 class _HttpTarget:
@@ -186,15 +208,36 @@ class _HttpTarget:
         self.host, self.port, self.is_https = parts.hostname, parts.port, parts.scheme == "https"
         self.timeout_s = timeout_s
         self.headers = {"Content-Type": "application/json", **_auth_headers(api_key)}
+        self._open: set[http.client.HTTPConnection] = set()
+        self._lock = threading.Lock()
 
     def _post(self, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         connection_class = http.client.HTTPSConnection if self.is_https else http.client.HTTPConnection
         connection = connection_class(self.host, self.port, timeout=self.timeout_s)
-        connection.request("POST", path, json.dumps(body), self.headers)
-        return connection, connection.getresponse()
+        with self._lock:
+            self._open.add(connection)
+        try:
+            connection.request("POST", path, json.dumps(body), self.headers)
+            return connection, connection.getresponse()
+        except BaseException:
+            self._finished(connection)
+            raise
+
+    def _finished(self, connection: http.client.HTTPConnection | None) -> None:
+        if connection is not None:
+            with self._lock:
+                self._open.discard(connection)
+            connection.close()
 
     def close(self) -> None:
         pass
+
+    def abort(self) -> None:
+        """End every request still running, from another thread (see LockstepWebSocket.abort)."""
+        with self._lock:
+            connections = list(self._open)
+        for connection in connections:
+            _shut_down(connection.sock)
 
 
 class LockstepRest(_HttpTarget):
@@ -212,8 +255,7 @@ class LockstepRest(_HttpTarget):
         except (OSError, http.client.HTTPException, ValueError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
-            if connection is not None:
-                connection.close()
+            self._finished(connection)
         stopwatch.stop()
         return result
 
@@ -253,8 +295,7 @@ class OpenAiCompletions(_HttpTarget):
         except (OSError, http.client.HTTPException, ValueError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
-            if connection is not None:
-                connection.close()
+            self._finished(connection)
         stopwatch.stop()
         return result
 

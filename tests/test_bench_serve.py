@@ -20,6 +20,8 @@ from bench.serve_data import RequestSpec, builtin_requests, load_tokenizer, rand
 from bench.serve_metrics import calculate, parse_slos
 from bench.sse import iter_event_data, split_lines
 
+from .client import wait_until
+
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = sorted((Path(__file__).parent / "data" / "sse").glob("*.sse"))
 
@@ -208,6 +210,20 @@ def test_refused_requests_are_counted_as_failures(smol_server, tokenizer, target
 
 
 @pytest.mark.parametrize("api", ["lockstep-ws", "lockstep-rest"])
+def test_requests_past_the_deadline_are_cut_and_cancelled(smol_server, tokenizer, api):
+    specs = builtin_requests(tokenizer, 2, output_len=4)
+    specs[1] = RequestSpec(1, specs[1].prompt, specs[1].prompt_len, output_len=4000)  # minutes of decoding
+    shape = serve.LoadShape(max_concurrency=2, deadline_s=3.0)
+    measurement = serve.measure(serve.make_target(api, smol_server.url), specs, Sampling(), shape, tokenizer,
+                                show_progress=False)
+    first, long = measurement.outcome.results
+    assert first.success and not long.success and long.error.startswith("cut: still running at the 3 s deadline")
+    assert (measurement.metrics.completed, measurement.metrics.failed) == (1, 1)
+    # shutting its connection down is a cancel: the server stops decoding it
+    wait_until(lambda: smol_server.state.engine.scheduler.num_running == 0, timeout=30, what="the request cancelled")
+
+
+@pytest.mark.parametrize("api", ["lockstep-ws", "lockstep-rest"])
 def test_an_api_key_is_sent_where_the_server_asks_for_it(smol_server, tokenizer, api):
     original = smol_server.state.settings
     smol_server.state.settings = dataclasses.replace(original, api_key="s3cret")
@@ -285,7 +301,7 @@ def _metrics(output_throughput: float, ttft_s: float):
 
 
 def test_ratios_are_against_the_best_peer_of_the_same_run():
-    plan = Plan((1, 8), 128, (), 60.0)
+    plan = Plan((1, 8), 128, (), 60.0, 120.0)
     results = [ConfigResult(ServerConfig("lockstep", "lockstep"), sweep={1: _metrics(20, 0.1), 8: _metrics(90, 0.3)}),
                ConfigResult(ServerConfig("A", "vllm-server", is_peer=True),
                             sweep={1: _metrics(30, 0.05), 8: _metrics(180, 0.2)}),
@@ -310,7 +326,7 @@ def test_python_m_bench_dispatches_to_its_commands_and_modules():
 
 @pytest.mark.parametrize("bad", [["--request-rate", "nan"], ["--request-rate", "0"], ["--max-concurrency", "0"],
                                  ["--goodput", "ttft:inf"], ["--burstiness", "inf"], ["--range-ratio", "1"],
-                                 ["--api", "openai"]])
+                                 ["--api", "openai"], ["--deadline", "nan"], ["--max-duration", "-1"]])
 def test_bad_load_settings_are_refused_before_anything_runs(bad):
     run = _bench("serve", *bad)
     assert run.returncode == 2 and "error:" in run.stderr
