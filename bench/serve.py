@@ -270,8 +270,6 @@ def parse_concurrency(text: str) -> list[int | None]:
 
 
 def sampling_from(args, tokenizer, eos_method: str, include_usage: bool = False) -> Sampling:
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError("--temperature must be a finite number >= 0")
     return Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos, eos_method=eos_method,
                     banned_token_ids=tuple(sorted(tokenizer.all_special_ids)), include_usage=include_usage)
 
@@ -281,6 +279,8 @@ def check_load_arguments(args) -> None:
         raise ValueError("--request-rate must be positive (inf for a burst)")
     if not (0 < args.burstiness < math.inf):
         raise ValueError("--burstiness must be a positive number")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError("--temperature must be a finite number >= 0")
     if not 0 <= args.range_ratio < 1:
         raise ValueError("--range-ratio must be in [0, 1)")
     for name in ("max_duration", "deadline"):
@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(table_row(label, max_concurrency, shape, measurement.metrics))
         records.append(run_record(max_concurrency, shape, measurement))
         points.append((max_concurrency or len(measurement.outcome.specs), measurement.metrics))
-        logger.info("%s\n%s", TABLE_HEADER, "\n".join(rows))
+        logger.info("%s", rows[-1])
+    logger.info("\n%s\n%s", TABLE_HEADER, "\n".join(rows))
     if args.result_json:
         write_json(args.result_json, {"label": label, "api": args.api, "url": args.url, "args": _args_record(args),
                                       "runs": records})

@@ -326,7 +326,8 @@ def test_python_m_bench_dispatches_to_its_commands_and_modules():
 
 @pytest.mark.parametrize("bad", [["--request-rate", "nan"], ["--request-rate", "0"], ["--max-concurrency", "0"],
                                  ["--goodput", "ttft:inf"], ["--burstiness", "inf"], ["--range-ratio", "1"],
-                                 ["--api", "openai"], ["--deadline", "nan"], ["--max-duration", "-1"]])
+                                 ["--api", "openai"], ["--deadline", "nan"], ["--max-duration", "-1"],
+                                 ["--temperature", "nan"]])
 def test_bad_load_settings_are_refused_before_anything_runs(bad):
     run = _bench("serve", *bad)
     assert run.returncode == 2 and "error:" in run.stderr
