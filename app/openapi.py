@@ -6,6 +6,7 @@ they list what is always there. tests/test_openapi.py runs schemathesis against 
 """
 from flask import Blueprint, jsonify
 
+from engine.backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
 from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED,
                              MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
 
@@ -359,8 +360,9 @@ def _sampling_engineer_fields() -> dict:
 
 
 def _response_format() -> dict:
-    json_schema = {"type": "object", "additionalProperties": False, "required": ["name"],
-                   "properties": {"name": {"type": "string", "maxLength": 64}, "description": _STRING,
+    name = {"type": "string", "minLength": 1, "maxLength": MAX_SCHEMA_NAME_LENGTH}
+    json_schema = {"type": "object", "additionalProperties": False, "required": ["name", "schema"],
+                   "properties": {"name": name, "description": _nullable(_STRING),
                                   "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}
     return {"oneOf": [
         {"type": "object", "additionalProperties": False, "required": ["type"],
