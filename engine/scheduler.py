@@ -139,7 +139,8 @@ class WorkloadManager:
                                         output.logprobs.get(seq.request_id, ()))
                 except Exception as exc:  # noqa: BLE001 - one request's text handling fails it alone
                     logger.exception("postprocessing %s failed", seq.request_id)
-                    self._finish(seq, FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
+                    if not seq.is_finished:  # finished already (a hook failed after): it must not be finished twice
+                        self._finish(seq, FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
 
     def _append_tokens(self, seq: Sequence, token_ids: tuple[int, ...], now: float, logprobs: tuple = ()) -> None:
         for position, token_id in enumerate(token_ids):
@@ -236,7 +237,12 @@ class WorkloadManager:
             self.running.remove(seq)
             self.finished_ids.append(seq.request_id)  # the worker frees its state (after a crash: cleared)
         del self.sequences[seq.request_id]
-        self.observer.on_finish(seq, seq.finish(reason, error))
+        try:
+            output = seq.finish(reason, error)
+        except Exception as exc:  # noqa: BLE001 - its last text (flush) failed: it fails alone, its waiter still hears
+            logger.exception("finishing %s failed", seq.request_id)
+            output = seq.finish(FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
+        self.observer.on_finish(seq, output)
         if not self.sequences:
             self._is_idle.notify_all()
 

@@ -122,3 +122,25 @@ def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_s
         manager.abort(seq.request_id)
     plan = manager.schedule(timeout=0)  # the long one goes first; the later short one fits beside it (2 x 400)
     assert [r.request_id for r in plan.new_requests] == ["long", "short-late"]
+
+
+def test_a_request_whose_last_text_fails_fails_alone():
+    """The flush at its end raises (a tokenizer bug): that request gets its error, the step goes on, and nothing is
+    finished twice (which was a KeyError out of postprocess: every running request failed, this one never heard)."""
+    manager = WorkloadManager(max_batch_size=4)
+    broken, other = make_seq("req-2-broken", 1), make_seq("other", 2)
+
+    def failing_flush():
+        raise ValueError("cannot decode")
+
+    broken.detokenizer.flush = failing_flush
+    manager.add(broken)
+    manager.add(other)
+    run_step(manager)
+    failed = outputs(broken)
+    assert failed.finish_reason is FinishReason.ERROR and failed.error_code == "request_failed"
+    assert [seq.request_id for seq in manager.running] == ["other"]
+    run_step(manager)
+    finished = outputs(other)
+    assert finished.finish_reason is FinishReason.LENGTH and finished.text == "xx"
+    assert not manager.sequences
