@@ -23,9 +23,9 @@ class EngineConfig:
     backend: str = "hf"
     dtype: str = "bfloat16"
     device: str = "auto"
-    max_batch_size: int = 8
+    max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
     max_queue: int = 256
-    max_batch_kv_tokens: int = 32768  # rows x longest row (prompt + max_tokens) in the worker's padded batch
+    max_batch_kv_tokens: int = 32768  # rows x longest row (prompt + max_tokens): the worker's KV slots
     max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
     policy: str = "continuous"
     threads: int = 0  # torch threads in the worker; 0 = all cores but one (see `num_threads`)
