@@ -93,10 +93,114 @@ VALID_SAMPLING = [("temperature", 0.7), ("temperature", 0), ("top_p", 0.9), ("to
                   ("stop", ["."]), ("stop", "\n"), ("ignore_eos", True)]
 
 
+# -- issue 11's fields: logprobs, penalties, logit_bias, min_tokens, n / best_of, JSON mode, token-id prompts ------
+# Hostile but cheap: every value here is refused up front or costs no more than a few small requests. Schemas
+# that currently cost the server seconds, gigabytes or a 500 (a recursive $ref, `(a{1000}){1000}`, minItems
+# 10**9, which kills the HTTP worker) are in SLOW_OR_CRASHING_SCHEMAS, not drawn by default: the suite's bounded
+# run would stall or fail on them until the server refuses them.
+
+def _schema(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": schema}}
+
+
+def _bias_map(count: int, bias=1) -> Odd:
+    return Odd({str(i): bias for i in range(count)}, f'{{"0": {bias}, ..., "{count - 1}": {bias}}}')
+
+
+VALID_RESPONSE_FORMATS = [{"type": "text"}, {"type": "json_object"},
+                          _schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+                          _schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}),
+                          _schema({"enum": ["yes", "no"]})]
+RESPONSE_FORMATS = [
+    None, "json_object", {}, {"type": "json"}, {"type": "json_object", "extra": 1}, {"type": None},
+    {"type": "json_schema"}, {"type": "json_schema", "json_schema": "x"},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+    {"type": "json_schema", "json_schema": {"name": "a" * 65, "schema": {"type": "object"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}},
+    _schema(True), _schema(False), _schema([]), _schema({"type": "nope"}), _schema({"not": {"type": "string"}}),
+    _schema({"type": "string", "minLength": 5, "maxLength": 2}), _schema({"enum": []}),
+    _schema({"type": "number", "minimum": 5, "maximum": 1}), _schema({"type": "string", "format": "whatever"}),
+    _schema({"type": "integer", "minimum": Raw("NaN")}), _schema({"type": "integer", "multipleOf": 0}),
+    _schema({"type": "string", "pattern": "("}), _schema({"type": "string", "pattern": "\\"}),
+    _schema({"$ref": "#/$defs/missing"}), _schema({"type": "string", "maxLength": 10**20}),
+    Odd(_schema(json.loads('{"type": "array", "items": ' * 40 + "{}" + "}" * 40)), "schema nested 40 deep"),
+    Odd(_schema({"enum": ["v" * 100] * 800}), "schema of 80 kB (800 x 100-character enum values)"),
+    Odd(_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}),
+        "schema with 3000 properties"),
+]
+SLOW_OR_CRASHING_SCHEMAS = [
+    _schema({"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                  "required": ["x"]}}}),
+    _schema({"type": "string", "pattern": "^(a{1000}){1000}$"}),
+    _schema({"type": "array", "items": {"type": "integer"}, "minItems": 10**9}),
+    _schema({"type": "array", "items": {"type": "integer"}, "maxItems": 10**6}),
+]
+LOGIT_BIAS_VALUES = [{}, {"28": 100}, {"28": -100}, {"0": 1e-300}, {"49151": 1}, {"49152": 1}, {"-1": 1},
+                     {" 1": 1}, {"\uff11": 1}, {"007": 1}, {"+5": 1}, {"1" + "0" * 30: 1}, {"1" * 5000: 1},
+                     {"5": Raw("NaN")}, {"5": Raw("Infinity")}, {"5": 1e308}, {"5": 100.0001}, {"5": "1"},
+                     {"5": None}, {"5": True}, [[5, 1]], "5", _bias_map(1024, -100), _bias_map(1025),
+                     _bias_map(60000)]
+LOGPROB_COUNTS = [0, 1, 5, 20, 21, -1, True, False, 2.0, "5", 2**63]
+PENALTIES = [0, -2, 2, -2.0001, 2.0001, 0.01, 100, 100.01, 1e-300, 5e-324, Raw("-0")]
+SAMPLE_COUNTS = [0, 1, 2, 8, 9, 64, 2**31, 2**63, -1, 2.0, "2", True]
+MIN_TOKENS = [0, 1, 8, 9, 100000, 2**63, -1, 1.5, "1", True]
+TOKEN_ID_PROMPTS = [[28], [1, 2, 3], [0], [-1], [49151], [49152], [2**63], [True, 5], [1.0], [1, "a"], [[]],
+                    [[28], [29, 30]], [["a"]], Odd([28] * 9000, "[28] * 9000 (past the context)"),
+                    Odd([[28]] * 33, "[[28]] * 33"), Odd([28] * 100000, "[28] * 100000")]
+CONTENT_PARTS = [[{"type": "text", "text": "Hi"}], [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
+                 [], [{"type": "text"}], [{"type": "text", "text": 5}], [{"type": "text", "text": ""}],
+                 [{"type": "text", "text": "a", "extra": 1}], [{"type": "TEXT", "text": "a"}], [{"text": "a"}],
+                 [None], ["Hi"], [[{"type": "text", "text": "a"}]], [{"type": "refusal", "refusal": "no"}],
+                 [{"type": "image_url", "image_url": {"url": "http://x"}}], [{"type": "input_audio"}],
+                 [{"type": "file", "file": {}}], [{"type": "text", "text": "\ud800"}],
+                 Odd([{"type": "text", "text": "a"}] * 20000, '[{"type": "text", "text": "a"}] * 20000')]
+NEW_FIELD_POOLS = {
+    "presence_penalty": PENALTIES, "frequency_penalty": PENALTIES, "repetition_penalty": PENALTIES,
+    "logit_bias": LOGIT_BIAS_VALUES, "logprobs": LOGPROB_COUNTS, "top_logprobs": LOGPROB_COUNTS,
+    "n": SAMPLE_COUNTS, "best_of": SAMPLE_COUNTS, "min_tokens": MIN_TOKENS, "max_completion_tokens": MAX_TOKENS,
+    "echo": [True, False, 1, "true", None], "response_format": RESPONSE_FORMATS + VALID_RESPONSE_FORMATS,
+}
+NEW_FIELDS = {  # the new fields each surface reads (a field sent elsewhere must be refused by name)
+    "/basic_generate": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+                        "n", "best_of", "min_tokens", "echo", "response_format"],
+    "/v1/completions": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+                        "n", "best_of", "min_tokens", "echo", "response_format"],
+    "/v1/chat/completions": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                             "logprobs", "top_logprobs", "n", "best_of", "min_tokens", "max_completion_tokens",
+                             "response_format"],
+}
+NEW_FIELDS["/generate"] = NEW_FIELDS["/basic_generate"]
+NEW_FIELDS["ws"] = NEW_FIELDS["/basic_generate"] + ["top_logprobs"]
+ALL_NEW_FIELDS = sorted(set().union(*NEW_FIELDS.values()))
+
+
+def valid_new_fields(rng: random.Random, surface: str) -> dict:
+    """A few of issue 11's fields with valid values (kept cheap: at most 4 samples, short schemas)."""
+    if rng.random() > 0.35:
+        return {}
+    chat = surface == "/v1/chat/completions"
+    choices = {
+        "presence_penalty": lambda: rng.choice([-1.0, 0.5, 2.0]),
+        "frequency_penalty": lambda: rng.choice([-0.5, 1.0]),
+        "repetition_penalty": lambda: rng.choice([0.5, 1.0, 1.3]),
+        "logit_bias": lambda: rng.choice([{"28": -5}, {"30": 100}, {"0": -100, "1": 2.5}]),
+        "logprobs": lambda: True if chat else rng.choice([0, 2, 20]),
+        "n": lambda: rng.choice([2, 4]),
+        "min_tokens": lambda: 1,
+        "echo": lambda: True,
+        "response_format": lambda: rng.choice(VALID_RESPONSE_FORMATS),
+    }
+    names = [name for name in choices if name in NEW_FIELDS[surface]]
+    fields = {name: choices[name]() for name in rng.sample(names, rng.randint(1, 2))}
+    if chat and fields.get("logprobs") is True and rng.random() < 0.5:
+        fields["top_logprobs"] = rng.choice([0, 3, 20])
+    return fields
+
+
 def odd_value(rng: random.Random, name: str):
     """An odd value for field `name`: the field's own pool or any generic one, huge strings rarely."""
-    pools = {"max_tokens": MAX_TOKENS, "stop": STOP_VALUES + SHAPES, "role": ROLES, "content": CONTENTS + STRINGS,
-             "id": IDS, "type": WS_TYPES}
+    pools = {"max_tokens": MAX_TOKENS, "stop": STOP_VALUES + SHAPES, "role": ROLES,
+             "content": CONTENTS + CONTENT_PARTS + STRINGS, "id": IDS, "type": WS_TYPES, **NEW_FIELD_POOLS}
     if name in ("prompt", "content", "key") and rng.random() < 0.03:
         return rng.choice(HUGE_STRINGS)
     if name in pools and rng.random() < 0.6:
@@ -193,11 +297,20 @@ def base_messages(rng: random.Random) -> list:
     return messages
 
 
+def completion_prompt(rng: random.Random):
+    """A text prompt, or (issue 11) token ids or lists of them."""
+    return rng.choice(BASE_PROMPTS) if rng.random() < 0.8 else rng.choice([[28, 29, 30], [[1, 2], [3]], [0]])
+
+
 REST_BASES = {
-    "/basic_generate": lambda rng: {"prompt": rng.choice(BASE_PROMPTS), **base_sampling(rng)},
-    "/generate": lambda rng: {"prompts": rng.sample(BASE_PROMPTS, rng.randint(1, 3)), **base_sampling(rng)},
-    "/v1/completions": lambda rng: {"model": "smollm2", "prompt": rng.choice(BASE_PROMPTS), **base_sampling(rng)},
-    "/v1/chat/completions": lambda rng: {"model": "smollm2", "messages": base_messages(rng), **base_sampling(rng)},
+    "/basic_generate": lambda rng: {"prompt": rng.choice(BASE_PROMPTS), **base_sampling(rng),
+                                    **valid_new_fields(rng, "/basic_generate")},
+    "/generate": lambda rng: {"prompts": rng.sample(BASE_PROMPTS, rng.randint(1, 3)), **base_sampling(rng),
+                              **valid_new_fields(rng, "/generate")},
+    "/v1/completions": lambda rng: {"model": "smollm2", "prompt": completion_prompt(rng), **base_sampling(rng),
+                                    **valid_new_fields(rng, "/v1/completions")},
+    "/v1/chat/completions": lambda rng: {"model": "smollm2", "messages": base_messages(rng), **base_sampling(rng),
+                                         **valid_new_fields(rng, "/v1/chat/completions")},
     "/tokenize": lambda rng: {"prompt": rng.choice(BASE_PROMPTS)} if rng.random() < 0.7
     else {"messages": base_messages(rng)},
 }
@@ -224,6 +337,11 @@ def mutate(rng: random.Random, body: dict) -> Mutation:
     if roll < 0.2:
         return Mutation((rng.choice(["temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream", "n"]),),
                         odd_value(rng, "number"))
+    if roll < 0.34:  # issue 11's fields, their own odd values mostly
+        name = rng.choice(ALL_NEW_FIELDS)
+        return Mutation((name,), odd_value(rng, name))
+    if roll < 0.37 and isinstance(body, dict) and "prompt" in body:
+        return Mutation(("prompt",), rng.choice(TOKEN_ID_PROMPTS))
     paths = field_paths(body) if isinstance(body, dict) else []
     if not paths:  # earlier mutations deleted every field
         return Mutation((rng.choice(UNKNOWN_NAMES),), odd_value(rng, "unknown"))
@@ -314,7 +432,7 @@ def ws_generate(rng: random.Random, request_id: str) -> dict:
         body["messages"] = base_messages(rng)
     else:
         body["prompt"] = rng.choice(BASE_PROMPTS)
-    return {**body, **base_sampling(rng)}
+    return {**body, **base_sampling(rng), **valid_new_fields(rng, "ws")}
 
 
 def ws_text_frame(rng: random.Random, index: int, sent_ids: list) -> WsFrame:

@@ -59,6 +59,8 @@ def run_rest(host: str, port: int, case: RestCase, mutations=None) -> CaseResult
     if outcome.status >= 400 and case.method != "HEAD" and not has_error_shape(outcome.json()):
         result.problem("rest_error_shape", f"{outcome.content_type}: {outcome.body[:200]!r}")
     _check_success_shape(case, outcome, result)
+    if outcome.status == 200 and case.method == "POST":
+        _check_new_fields(case.body(mutations), case.path, outcome.json(), result)
     return result
 
 
@@ -66,6 +68,39 @@ def _check_success_shape(case: RestCase, outcome, result: CaseResult) -> None:
     key = SUCCESS_KEYS.get(case.path)
     if outcome.status == 200 and case.method == "POST" and key and key not in (outcome.json() or {}):
         result.problem("rest_success_shape", repr(outcome.body[:200]))
+
+
+def _check_new_fields(body, path: str, answer, result: CaseResult) -> None:
+    """An accepted request got what its issue-11 fields asked for: n choices per prompt, logprobs when asked,
+    the prompt echoed. A field accepted and then not honoured is `rest_field_ignored`."""
+    if not isinstance(body, dict) or not isinstance(answer, dict):
+        return
+    choices = answer.get("choices")
+    if path in ("/v1/completions", "/v1/chat/completions") and isinstance(choices, list):
+        n = body.get("n")
+        prompts = body.get("prompt") if path == "/v1/completions" else None
+        count = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list)) else 1
+        if _is_count(n) and len(choices) != n * count:
+            result.problem("rest_field_ignored", f"n={n} x {count} prompt(s) answered {len(choices)} choices")
+        if _asks_logprobs(body, path) and any(c.get("logprobs") is None for c in choices if isinstance(c, dict)):
+            result.problem("rest_field_ignored", "logprobs asked for, a choice has logprobs null")
+    if body.get("echo") is True and isinstance(body.get("prompt"), str):
+        texts = [c.get("text") for c in choices if isinstance(c, dict)] if isinstance(choices, list) \
+            else [answer.get("generated_text")]
+        if path in ("/v1/completions", "/basic_generate") and not all(
+                isinstance(t, str) and t.startswith(body["prompt"]) for t in texts):
+            result.problem("rest_field_ignored", f"echo: true, an answer does not start with the prompt: {texts!r:.80}")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _asks_logprobs(body: dict, path: str) -> bool:
+    logprobs = body.get("logprobs")
+    if path == "/v1/chat/completions":
+        return logprobs is True
+    return isinstance(logprobs, int) and not isinstance(logprobs, bool)
 
 
 # -- WebSocket ----------------------------------------------------------------------------------------------------
