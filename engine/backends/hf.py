@@ -53,6 +53,9 @@ ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice
 MIN_CHUNK_TOKENS = 16
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
 INVARIANT_MIN_ROWS = 2  # batch invariance: a decode step's matmuls never run at one row (see the docstring)
+# Batch invariance: a prompt chunk's cost (see `_cost_units`; ~0.5 ms a unit on 2 cores) whatever its context, so a
+# stream beside a long prompt waits about one chunk per step (512 units gave gaps of ~1 s on a loaded 2-core box).
+INVARIANT_CHUNK_UNITS = 256
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
 
@@ -178,6 +181,8 @@ class HFBackend(Backend):
             num_tokens = self._chunk_size(prefill, seconds_left, budget)
             if prefill.prompt_logprobs is not None:
                 num_tokens = min(num_tokens, PROMPT_LOGPROBS_CHUNK_TOKENS)
+            if budget < self.prefill_chunk_tokens and not self._fits(prefill, num_tokens, seconds_left):
+                break  # a chunk ran already: the next would hold the streams past the target
             budget -= num_tokens
             try:
                 logits = self._prefill_chunk(prefill, num_tokens)
@@ -215,7 +220,8 @@ class HFBackend(Backend):
         the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
         earlier chunks cost per unit (see `_cost_units`)."""
         if self.batch_invariant:
-            return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens)
+            return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens,
+                                      INVARIANT_CHUNK_UNITS)
         if not self.rows:
             return min(budget, prefill.num_left)
         if self.seconds_per_cost_unit is None:
@@ -223,6 +229,12 @@ class HFBackend(Backend):
         units_per_token = 1 + prefill.num_computed / ATTENTION_COST_SCALE
         affordable = int(seconds_left / (self.seconds_per_cost_unit * units_per_token))
         return min(budget, prefill.num_left, max(MIN_CHUNK_TOKENS, affordable))
+
+    def _fits(self, prefill: Prefill, num_tokens: int, seconds_left: float) -> bool:
+        """Whether a chunk is expected to end within `seconds_left`, from what earlier chunks cost per unit."""
+        if not self.rows or self.seconds_per_cost_unit is None:
+            return True
+        return self.seconds_per_cost_unit * _cost_units(prefill.num_computed, num_tokens) <= seconds_left
 
     def _prefill_chunk(self, prefill: Prefill, num_tokens: int) -> torch.Tensor:
         start, end = prefill.num_computed, prefill.num_computed + num_tokens
@@ -307,11 +319,12 @@ def _cost_units(start: int, num_tokens: int) -> float:
     return num_tokens * (1 + mean_context / ATTENTION_COST_SCALE)
 
 
-def planned_chunk_size(num_computed: int, num_left: int, chunk_tokens: int) -> int:
-    """A prompt's next chunk from its own progress only: `chunk_tokens` at the start, shrinking as each
-    token attends to more context, so every chunk costs about the same (bounded gaps beside streams)."""
-    affordable = int(chunk_tokens / (1 + num_computed / ATTENTION_COST_SCALE))
-    return min(num_left, max(min(MIN_CHUNK_TOKENS, chunk_tokens), affordable))
+def planned_chunk_size(num_computed: int, num_left: int, chunk_tokens: int, chunk_units: float) -> int:
+    """A prompt's next chunk from its own progress only: about `chunk_units` of cost, so fewer tokens as each
+    token attends to more context (every chunk costs about the same: bounded gaps beside streams), and at most
+    `chunk_tokens`."""
+    affordable = int(chunk_units / (1 + num_computed / ATTENTION_COST_SCALE))
+    return min(num_left, chunk_tokens, max(MIN_CHUNK_TOKENS, affordable))
 
 
 def _describe(exc: Exception) -> str:
