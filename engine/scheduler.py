@@ -9,7 +9,9 @@ ago), so one client that keeps the queue full cannot lock the others out. Memory
 worker's padded batch holds rows x longest row tokens; admission keeps that within
 `max_batch_kv_tokens`. Deadlines: a request past its deadline fails with
 deadline_exceeded, waiting or running. Samples: a request with n > 1 (or best_of) is a group of
-sequences that is queued, admitted and sent to the worker as one (one prefill, forked there).
+sequences that is queued, admitted and sent to the worker as one (one prefill, forked there). A group that
+does not fit yet does not hold up the requests behind it, until a batch's worth of sequences has gone past it:
+then it reserves the slots as they free (it cannot be starved).
 """
 import logging
 import threading
@@ -64,6 +66,7 @@ class WorkloadManager:
         self._is_idle = threading.Condition(self._lock)
         self._is_closed = False
         self._last_admitted: dict[str, float] = {}  # client id -> when it last got a slot
+        self._passed: Counter[str] = Counter()  # waiting group id -> sequences admitted past it
 
     @property
     def num_waiting(self) -> int:
@@ -190,13 +193,20 @@ class WorkloadManager:
     def _admit(self) -> list[Sequence]:
         if not self._can_admit():
             return []
-        admitted = []
+        admitted, passed_groups = [], []
         now = time.monotonic()
-        while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self._fairest_waiting()
+        while len(self.running) < self.max_batch_size:
+            seq = self._fairest_waiting(passed_groups, self._reserving_groups())
+            if seq is None:
+                break
             group = [s for s in self.waiting if s.group_id == seq.group_id]
             if not self._fits(group):
-                break  # the batch drains until it fits: skipping to smaller requests could starve it
+                if len(group) == 1 or self._passed[seq.group_id] >= self.max_batch_size:
+                    break  # the batch drains until it fits: skipping to smaller requests could starve it
+                passed_groups.append(seq.group_id)  # a group waits for slots; others may go past it, a while
+                continue
+            self._passed.pop(seq.group_id, None)
+            self._passed.update({group_id: len(group) for group_id in passed_groups})
             self._remember_admission(seq.client_id)
             for member in group:
                 self.waiting.remove(member)
@@ -211,12 +221,19 @@ class WorkloadManager:
             return True
         return len(self.running) + len(group) <= self.max_batch_size and self._fits_kv_budget(group)
 
-    def _fairest_waiting(self) -> Sequence:
+    def _reserving_groups(self) -> set[str]:
+        """Waiting groups that a batch's worth of sequences went past: the slots that free are theirs."""
+        return {group_id for group_id, count in self._passed.items() if count >= self.max_batch_size}
+
+    def _fairest_waiting(self, passed_groups: list[str], reserving: set[str]) -> Sequence | None:
         """Round-robin across clients: the client with the fewest running requests, then the one served
-        longest ago, then its oldest request."""
+        longest ago, then its oldest request (None when every waiting one is in `passed_groups`). While a group
+        reserves slots only reserving groups are candidates."""
         running_per_client = Counter(s.client_id for s in self.running)
-        return min(self.waiting, key=lambda s: (running_per_client[s.client_id],
-                                                self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
+        return min((s for s in self.waiting if s.group_id not in passed_groups
+                    and (not reserving or s.group_id in reserving)), default=None,
+                   key=lambda s: (running_per_client[s.client_id],
+                                  self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
 
     def _fits_kv_budget(self, group: list[Sequence]) -> bool:
         """The worker's batch is left-padded to its longest row, so its KV cache holds (rows x longest) tokens:
@@ -237,6 +254,7 @@ class WorkloadManager:
             self.running.remove(seq)
             self.finished_ids.append(seq.request_id)  # the worker frees its state (after a crash: cleared)
         del self.sequences[seq.request_id]
+        self._passed.pop(seq.group_id, None)
         try:
             output = seq.finish(reason, error)
         except Exception as exc:  # noqa: BLE001 - its last text (flush) failed: it fails alone, its waiter still hears

@@ -144,3 +144,43 @@ def test_a_request_whose_last_text_fails_fails_alone():
     finished = outputs(other)
     assert finished.finish_reason is FinishReason.LENGTH and finished.text == "xx"
     assert not manager.sequences
+
+
+def make_samples(request_id: str, num_samples: int, max_tokens: int = 3) -> list[Sequence]:
+    """A request with n = `num_samples`: sequences sharing one group id (as Engine.submit queues them)."""
+    return [Sequence(f"{request_id}#{i}", [65, 66], WorkerSampling(max_tokens=max_tokens),
+                     IncrementalDetokenizer(CharTokenizer()), queue.Queue(), frozenset({0}),
+                     group_id=request_id, sample_index=i) for i in range(num_samples)]
+
+
+def admitted_ids(plan) -> list[str]:
+    return [r.request_id for r in plan.new_requests]
+
+
+def test_a_single_request_is_admitted_past_a_group_that_does_not_fit_yet():
+    """No head-of-line blocking: a group waiting for slots does not keep a short request behind it waiting."""
+    manager = WorkloadManager(max_batch_size=4)
+    for name in ("long-a", "long-b"):
+        manager.add(make_seq(name, 100))
+    run_step(manager)
+    manager.add_group(make_samples("group", 3))  # 2 running + 3 > 4
+    manager.add(make_seq("short", 2))
+    assert admitted_ids(run_step(manager)) == ["short"]
+    assert sorted(s.request_id for s in manager.waiting) == ["group#0", "group#1", "group#2"]
+
+
+def test_a_group_passed_by_a_batch_of_requests_reserves_the_slots_that_free():
+    """Not starved: once a batch's worth of sequences went past it, later requests wait and the group goes next."""
+    manager = WorkloadManager(max_batch_size=4)
+    for name in ("long-a", "long-b"):
+        manager.add(make_seq(name, 100))
+    run_step(manager)
+    manager.add_group(make_samples("group", 3))
+    for i in range(4):  # each finishes in one step, so a slot is free for the next
+        manager.add(make_seq(f"short-{i}", 1))
+        assert admitted_ids(run_step(manager)) == [f"short-{i}"]
+    manager.add(make_seq("late", 1))
+    assert admitted_ids(run_step(manager)) == []  # two slots are free, but they are the group's now
+    manager.abort("long-a")
+    assert admitted_ids(run_step(manager)) == ["group"]
+    assert [s.request_id for s in manager.waiting] == ["late"]
