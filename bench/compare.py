@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shlex
 import sys
 import time
@@ -60,6 +61,7 @@ def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_
         logger.warning("%s: skipped (%s)", config.name, result.skipped)
         return result
     started = time.monotonic()
+    result.load_average = round(os.getloadavg()[0], 2)
     server = start_server(config, model_dir, out_dir / "logs")
     try:
         server.wait_ready(READY_TIMEOUT_S)
@@ -114,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--docs", default=None, help="Markdown file whose serving section is rewritten")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--from-json", default=None, help="render the report of an earlier run's compare.json "
+                                                         "(with --docs: rewrite the section) instead of running")
     args = parser.parse_args(argv)
     unknown = [key for key in args.configs.split(",") if key not in CONFIGS]
     if unknown:
@@ -140,6 +144,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for name in (__name__, "bench.peers", "bench.serve"):
         logging.getLogger(name).setLevel(logging.INFO)
+    if args.from_json:
+        publish(Report.from_dict(json.loads(Path(args.from_json).read_text())), args, Path(args.from_json).parent)
+        return
     started = time.monotonic()
     out_dir = Path(args.out_dir)
     model_dir = serve_data.default_model_dir()
@@ -152,12 +159,17 @@ def main(argv=None) -> None:
     report = Report(args.plan, results, machine, elapsed, command)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.json").write_text(json.dumps(report.as_dict(), indent=1))
+    publish(report, args, out_dir)
+    logger.info("compare: %d configurations in %.0f s (%s)", len(results), elapsed, out_dir / "compare.json")
+
+
+def publish(report: Report, args, out_dir: Path) -> None:
+    """The table on the terminal, the plot, and with --docs the Markdown section."""
     plot_path = Path(args.docs).parent / "bench-serving.png" if args.docs else out_dir / "compare.png"
     report.plot(plot_path)
     logger.info("%s", report.terminal_text())
     if args.docs:
         report.write_docs(Path(args.docs), plot_path)
-    logger.info("compare: %d configurations in %.0f s (%s)", len(results), elapsed, out_dir / "compare.json")
 
 
 if __name__ == "__main__":

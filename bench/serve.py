@@ -133,8 +133,9 @@ def _wait_or_cut(target, futures: list, started: float, deadline_s: float | None
     _, pending = wait(futures, timeout=_time_left(started, deadline_s))
     if not pending:
         return None
+    cut_at = time.perf_counter()  # before the abort: the requests it ends stop their clocks right away
     target.abort()
-    return time.perf_counter()
+    return cut_at
 
 
 def _mark_cut(results: list[RequestResult], cut_at: float, deadline_s: float) -> None:

@@ -293,6 +293,14 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1 and "an older run" not in text
     assert "| lockstep hf (defaults) | 2 |" in text and "![" in text and report["elapsed_s"] > 0
     assert (tmp_path / "bench-serving.png").read_bytes().startswith(b"\x89PNG")
+    # the same report again from compare.json, without running anything
+    rendered = tmp_path / "rendered.md"
+    compare.main(["--from-json", str(tmp_path / "out" / "compare.json"), "--docs", str(rendered)])
+    assert _section(rendered.read_text()) == _section(text)
+
+
+def _section(text: str) -> str:
+    return text[text.index(SECTION_BEGIN):text.index(SECTION_END)]
 
 
 def _metrics(output_throughput: float, ttft_s: float):
