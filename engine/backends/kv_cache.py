@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 SLOT_ATTENTION = "lockstep_slots"
 PAGE_TOKENS = 256  # capacity grows (and shrinks) in multiples of this many positions
-SLOT_GROUP = 4  # slots are allocated in groups of this many rows
+SLOT_GROUP = 2  # slots are allocated in pairs: at most one row's worth unused (the KV budget counts rows)
 SHRINK_AFTER_TOKENS = 2 * PAGE_TOKENS  # positions per slot no row needs any more before the storage shrinks
 
 
