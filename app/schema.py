@@ -286,7 +286,9 @@ def _text_part(part, where: str) -> str:
 # -- sampling -------------------------------------------------------------------------------------------------
 
 def sampling_fields(body: dict, engine, default_max_tokens: int | None = None) -> SamplingParams:
-    params = SamplingParams.from_request(body, engine.config.max_stop_strings)
+    inputs = engine.inputs  # None before the engine starts
+    params = SamplingParams.from_request(body, engine.config.max_stop_strings,
+                                         inputs.max_prompt_chars if inputs else None)
     if params.max_tokens is None and default_max_tokens is not None:
         params = dataclasses.replace(params, max_tokens=default_max_tokens)
     return params

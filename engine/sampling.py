@@ -53,8 +53,10 @@ class SamplingParams:
         return self.best_of or self.n
 
     @classmethod
-    def from_request(cls, body: dict, max_stop_strings: int = 8) -> "SamplingParams":
-        """Build from a JSON body, refusing wrong types and out-of-range values with the field's name."""
+    def from_request(cls, body: dict, max_stop_strings: int = 8,
+                     max_output_chars: int | None = None) -> "SamplingParams":
+        """Build from a JSON body, refusing wrong types and out-of-range values with the field's name.
+        `max_output_chars`: the most characters any answer can hold (bounds JSON-mode schemas' counts)."""
         params = cls(
             max_tokens=_optional_int(body, "max_tokens"),
             temperature=_number(body, "temperature", 0.0),
@@ -63,7 +65,7 @@ class SamplingParams:
             stop=_stop_strings(body.get("stop")),
             seed=_optional_int(body, "seed"),
             ignore_eos=_flag(body, "ignore_eos"),
-            response_format=parse_response_format(body.get("response_format")),
+            response_format=parse_response_format(body.get("response_format"), max_output_chars),
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0),

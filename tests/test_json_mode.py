@@ -1,14 +1,15 @@
 """JSON mode (`response_format`): the field's checks, the grammar mask with the real vocabulary, and greedy
 JSON through the live server on both backends (REST, the `openai` SDK, /ws), batched beside plain requests."""
 import json
+import re
 
 import jsonschema
 import openai
 import pytest
 
 from engine import InvalidRequest, SamplingParams
-from engine.backends.constrained import (MAX_SCHEMA_DEPTH, GrammarCompiler, parse_response_format,
-                                         refuse_conflicts)
+from engine.backends.constrained import (MAX_EXPANSION, MAX_KEPT_EXPANSION, MAX_SCHEMA_DEPTH, GrammarCompiler,
+                                         parse_response_format, refuse_conflicts)
 
 from .client import WsClient, http
 from .conftest import start_live_server
@@ -79,8 +80,6 @@ def test_json_object_and_json_schema_become_a_schema_with_fixed_whitespace():
      "NaN or Infinity"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer", "multipleOf": 0}}},
      "multiple"),
-    ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "string", "maxLength": 10 ** 20}}},
-     "maxLength"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": nested(MAX_SCHEMA_DEPTH)}}, "nests deeper"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": nested(100_000)}}, "nests deeper"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"enum": ["x" * 1000] * 10_000}}},
@@ -92,6 +91,60 @@ def test_bad_formats_are_refused_naming_response_format(value, message):
     with pytest.raises(InvalidRequest, match=message) as refused:
         parse_response_format(value)
     assert refused.value.param == "response_format"
+
+
+def of_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+
+
+def integers(**counts) -> dict:
+    return {"type": "array", "items": {"type": "integer"}, **counts}
+
+
+RECURSIVE_REQUIRED = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                         "required": ["x"]}}}
+CONTEXT_CHARS = 8192 * 81  # what a SmolLM2 answer can hold: its context x its longest token
+
+
+@pytest.mark.parametrize("schema, message", [
+    # llguidance spells out every item: 10**9 would allocate until the kernel kills the process (checked first)
+    (integers(minItems=10 ** 9), "minItems 1000000000 is more than any answer can hold"),
+    (integers(minItems=30_000_000), "can never be met"),
+    (integers(minItems=CONTEXT_CHARS + 1), "can never be met"),
+    ({"type": "string", "minLength": 10 ** 20}, "minLength 10000000...(21 digits)"),
+    ({"type": "object", "minProperties": 10 ** 9}, "minProperties"),
+    (integers(maxItems=600_000, minItems=1), "too costly"),
+    (integers(maxItems=MAX_EXPANSION + 1), "too costly"),
+    (integers(minItems=MAX_EXPANSION // 2, maxItems=MAX_EXPANSION // 2 + 1), "too costly"),
+    ({"type": "object", "properties": {f"p{i}": integers(maxItems=100) for i in range(200)}}, "too costly"),
+    ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "too costly"),
+    ({"type": "string", "pattern": "^((a{20}){20}){50}$"}, "too costly"),
+    ({"type": "string", "pattern": "x{99999999999999999999999}"}, "too costly"),
+    ({"type": "object", "patternProperties": {"^k{20000}$": {"type": "integer"}}}, "too costly"),
+    # only running the grammar shows these: the check takes its first steps, on a byte vocabulary
+    (RECURSIVE_REQUIRED, "Too many items"),
+])
+def test_counts_are_bounded_before_llguidance_sees_them(schema, message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)) as refused:
+        parse_response_format(of_schema(schema), CONTEXT_CHARS)
+    assert refused.value.param == "response_format"
+    assert len(str(refused.value)) < 400 and "<state>" not in str(refused.value)  # no parser dump
+
+
+def test_a_max_count_no_answer_can_reach_is_dropped_and_one_within_reach_is_kept():
+    assert "maxLength" not in json.loads(parse_response_format(of_schema({"type": "string", "maxLength": 10 ** 20})))
+    assert "maxItems" not in json.loads(parse_response_format(of_schema(integers(maxItems=10 ** 6)), 10 ** 5))
+    kept = json.loads(parse_response_format(of_schema(integers(minItems=2, maxItems=MAX_EXPANSION - 2))))
+    assert (kept["minItems"], kept["maxItems"]) == (2, MAX_EXPANSION - 2)
+    # counts inside JSON values (an enum's member) are data, not schema
+    assert parse_response_format(of_schema({"enum": [{"minItems": 10 ** 9}]}))
+
+
+def test_a_recursive_ref_with_an_end_and_moderate_patterns_pass():
+    tree = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}}}
+    assert parse_response_format(of_schema(tree))
+    assert parse_response_format(of_schema({"type": "string", "pattern": "^(a{100}){100}$"}))
+    assert parse_response_format(of_schema({"type": "string", "pattern": "^[{]{3}\\{{2}$"}))
 
 
 def test_a_schema_just_inside_the_depth_limit_compiles():
@@ -162,6 +215,15 @@ def test_a_refused_token_fails_the_next_mask_not_the_advance_nor_the_next_reques
         allowed_ids(constraint)
     # the next request with the same schema starts afresh (the kept matcher is copied, never advanced)
     assert tokenizer.encode("{", add_special_tokens=False)[0] in allowed_ids(grammars.constraint(schema_text))
+
+
+def test_kept_matchers_are_bounded_by_their_expansion(grammars):
+    large = [parse_response_format(of_schema(integers(maxItems=MAX_EXPANSION - i))) for i in range(3)]
+    for schema_text in large:
+        grammars.constraint(schema_text)
+    kept = grammars._fresh_matchers
+    assert list(kept) == large[-(MAX_KEPT_EXPANSION // MAX_EXPANSION):]
+    assert sum(weight for _, weight in kept.values()) <= MAX_KEPT_EXPANSION
 
 
 # -- the live server, both backends ------------------------------------------------------------------------------
@@ -246,6 +308,8 @@ def test_ws_json_beside_plain_requests_leaves_theirs_as_alone(server):
     {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}},
     {"type": "json_schema", "json_schema": {"name": "p", "schema": nested(100)}},
     "json_object",
+    of_schema(integers(minItems=10 ** 9)),
+    of_schema(RECURSIVE_REQUIRED),
 ])
 def test_bad_schemas_are_400_on_rest_sdk_and_ws_and_the_server_goes_on(server, response_format):
     status, _, body = http("POST", server.url + "/v1/chat/completions",
