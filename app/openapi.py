@@ -181,17 +181,17 @@ def _shared_responses() -> dict:
 
 def _schemas(state: AppState) -> dict:
     sampling = _sampling_properties(state)
-    chat_sampling = {name: value for name, value in sampling.items() if name != "echo"}
+    no_echo = {name: value for name, value in sampling.items() if name != "echo"}  # /v1/completions only
     return {
         "Error": _error_schema(),
-        "BasicGenerateRequest": _request({"prompt": _TEXT}, sampling, required=["prompt"]),
+        "BasicGenerateRequest": _request({"prompt": _TEXT}, no_echo, required=["prompt"]),
         "GenerateRequest": _request({"prompts": {"type": "array", "items": _TEXT, "minItems": 1,
                                                  "maxItems": state.settings.max_prompts}},
-                                    sampling, required=["prompts"]),
+                                    no_echo, required=["prompts"]),
         "CompletionRequest": _request({"prompt": _completion_prompt(state.settings.max_prompts)},
                                       sampling | _openai_common(), required=["prompt"]),
         "ChatRequest": _request({"messages": _ref("Messages"), "max_completion_tokens": _nullable(_max_tokens())},
-                                chat_sampling | _openai_common(), required=["messages"]),
+                                no_echo | _openai_common(), required=["messages"]),
         "TokenizeRequest": {"type": "object", "additionalProperties": False,
                             "properties": {"prompt": _TEXT, "messages": _ref("Messages"), "model": _nullable(_STRING)},
                             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
@@ -327,11 +327,11 @@ def _sampling_properties(state: AppState) -> dict:
         "ignore_eos": {"type": "boolean"},
         "timeout": _nullable({"type": "number", "exclusiveMinimum": 0,
                               "description": "Seconds; shortens the server's request deadline"}),
-        **_sampling_engineer_fields(),
+        **_sampling_engineer_fields(state.engine.config),
     }
 
 
-def _sampling_engineer_fields() -> dict:
+def _sampling_engineer_fields(config) -> dict:
     """Penalties, logit bias, min_tokens, samples, logprobs, echo and JSON mode."""
     penalty = {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY}
     low, high = REPETITION_PENALTY_RANGE
@@ -346,15 +346,19 @@ def _sampling_engineer_fields() -> dict:
                                                           "maximum": MAX_LOGIT_BIAS},
                                  "description": "Token id (of this model's vocabulary) -> bias"}),
         "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "At most max_tokens"}),
-        "n": _nullable({"type": "integer", "minimum": 1}),
-        "best_of": _nullable({"type": "integer", "minimum": 1, "description": "At least n"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": config.sample_limit,
+                        "description": "Samples (LOCKSTEP_MAX_SAMPLES); times the prompts, at most "
+                                       f"{config.max_queue_per_client}"}),
+        "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": config.sample_limit,
+                              "description": "At least n"}),
         "logprobs": _nullable({"anyOf": [{"type": "boolean"},
                                          {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}],
                                "description": "Chat: true/false (with top_logprobs); completions: the number "
                                               "of top logprobs"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                    "description": "With logprobs: true"}),
-        "echo": {"type": "boolean", "description": "The prompt comes back before the answer"},
+        "echo": {"type": "boolean", "description": "The prompt comes back before the answer; with logprobs, at most "
+                 f"{config.max_echo_logprob_entries} logprob entries in all (prompts x n x tokens x (logprobs + 1))"},
         "response_format": _nullable(_response_format()),
     }
 

@@ -50,6 +50,9 @@ NOT_IMPLEMENTED = {
 }
 # Values of an unimplemented field that mean "not used" and so are accepted.
 NOT_USED = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False,)}
+# Sampling fields only some endpoints serve: elsewhere refused by name with where to send them (false is accepted:
+# it asks for nothing).
+SERVED_ELSEWHERE = {"echo": "echo (the prompt, with its logprobs, before the answer) is served by /v1/completions only"}
 # Message fields that only carry tool calls or outputs: accepted when null or empty, like the SDK sends them.
 MESSAGE_TOOL_FIELDS = ("tool_calls", "function_call", "audio", "refusal", "annotations", "tool_call_id")
 
@@ -68,13 +71,13 @@ class RequestShape:
         return name in self.fields or name in self.aliases
 
 
-BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING | {"prompt"})
-GENERATE = RequestShape("/generate", SAMPLING | {"prompts"})
+BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING - {"echo"} | {"prompt"})
+GENERATE = RequestShape("/generate", SAMPLING - {"echo"} | {"prompts"})
 COMPLETIONS = RequestShape("/v1/completions", SAMPLING | OPENAI_COMMON | {"prompt"}, is_openai=True)
 CHAT = RequestShape("/v1/chat/completions", SAMPLING - {"echo"} | OPENAI_COMMON | {"messages"},
                     aliases={"max_completion_tokens": "max_tokens"}, is_openai=True)
 TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}), one_of=("prompt", "messages"))
-WS_GENERATE = RequestShape("a generate frame", SAMPLING | {"type", "id", "prompt", "messages"},
+WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | {"type", "id", "prompt", "messages"},
                            one_of=("prompt", "messages"))
 
 
@@ -129,6 +132,10 @@ def _check_field(name: str, value, shape: RequestShape) -> None:
         if value is None or any(value == used and type(value) is type(used) for used in NOT_USED.get(name, ())):
             return
         raise unsupported_field(name, NOT_IMPLEMENTED[name])
+    if name in SERVED_ELSEWHERE and not shape.accepts(name):
+        if value is None or value is False:
+            return
+        raise unsupported_field(name, SERVED_ELSEWHERE[name])
     if not shape.accepts(name):
         shown = _shown_name(name)
         raise unsupported_field(shown, f"unknown field {shown!r}: {shape.name} does not read it")

@@ -27,6 +27,12 @@ class EngineConfig:
     max_queue: int = 256
     max_batch_kv_tokens: int = 32768  # rows x longest row (prompt + max_tokens): the worker's KV slots
     max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
+    # Samples (n, best_of) one request may ask for: a group takes that many batch slots at once, so a bound
+    # well under the batch keeps one request from holding the whole batch (see `sample_limit`).
+    max_samples: int = 4
+    # echo + logprobs: the most logprob entries (prompt and answer tokens x (top logprobs + 1) x samples, summed
+    # over a request's prompts) one response may carry; ~30 bytes of JSON each, so about 7 MB at most.
+    max_echo_logprob_entries: int = 250_000
     policy: str = "continuous"
     threads: int = 0  # torch threads in the worker; 0 = all cores but one (see `num_threads`)
     max_model_len: int = 0  # 0 = the model's own context length
@@ -57,7 +63,8 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
-        for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "default_max_tokens",
+        for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "max_samples",
+                     "max_echo_logprob_entries", "default_max_tokens",
                      "max_stop_strings", "prefill_chunk_tokens", "vllm_cpu_batched_tokens", "tensor_parallel_size",
                      "pipeline_parallel_size"):
             if getattr(self, name) < 1:
@@ -67,6 +74,11 @@ class EngineConfig:
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
                                                   self.request_timeout_s, self.prefill_step_target_s)):
             raise ValueError("timeouts must be positive")
+
+    @property
+    def sample_limit(self) -> int:
+        """The most samples one request may ask for: max_samples, never more than a batch or a client's queue."""
+        return min(self.max_samples, self.max_batch_size, self.max_queue_per_client)
 
     @property
     def num_threads(self) -> int:

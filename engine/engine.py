@@ -177,10 +177,11 @@ class LLMEngine:
     def submit(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None, client_id: str = "",
-               timeout_s: float | None = None) -> RequestHandle:
+               timeout_s: float | None = None, num_prompts: int = 1) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks.
 
-        `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline."""
+        `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline;
+        `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget)."""
         if not self._accepting:
             raise NotReady("the server is shutting down")
         if not self.is_scheduling:
@@ -195,6 +196,7 @@ class LLMEngine:
         sink = sink if sink is not None else queue.Queue()
         eos_token_ids = frozenset() if sampling.ignore_eos else self._eos_token_ids()
         max_tokens = self._max_tokens(sampling, len(token_ids))
+        self._check_echo_size(sampling, len(token_ids) + max_tokens, num_prompts)
         worker_sampling = sampling.for_worker(max_tokens, tuple(sorted(eos_token_ids)))
 
         def sequence(seq_id: str, seq_sink, index: int = 0) -> Sequence:
@@ -213,19 +215,45 @@ class LLMEngine:
     def _validate(self, sampling: SamplingParams) -> None:
         sampling.validate(self.config.max_stop_strings)
         sampling.check_vocabulary(len(self.tokenizer))
-        if sampling.num_samples > self.config.max_batch_size:
+        limit = self.config.sample_limit
+        if sampling.num_samples > limit:
             param = "best_of" if sampling.best_of else "n"
-            raise InvalidRequest(f"{param} must be at most {self.config.max_batch_size} (the batch size: "
-                                 "samples run side by side)", param)
+            raise InvalidRequest(f"{param} must be at most {limit} (LOCKSTEP_MAX_SAMPLES: a request's samples "
+                                 "take that many batch slots at once)", param)
+
+    def _check_samples_fit_a_client(self, num_prompts: int, sampling: SamplingParams) -> None:
+        """Every prompt's samples queue at once: more than a client may hold could never be queued (not a 429,
+        which a client would retry forever)."""
+        limit = self.config.max_queue_per_client
+        if num_prompts * sampling.num_samples > limit:
+            param = ("best_of" if sampling.best_of else "n") if sampling.num_samples > 1 else "prompts"
+            raise InvalidRequest(f"{num_prompts} prompts x {sampling.num_samples} samples is more than the "
+                                 f"{limit} sequences one client may queue (LOCKSTEP_MAX_QUEUE_PER_CLIENT); "
+                                 "send fewer prompts or samples", param)
+
+    def _check_echo_size(self, sampling: SamplingParams, num_tokens: int, num_prompts: int) -> None:
+        """echo with logprobs returns every prompt token's top logprobs in every sample: refuse a response past
+        LOCKSTEP_MAX_ECHO_LOGPROB_ENTRIES (each prompt of a call gets an equal share)."""
+        if not sampling.echo or sampling.logprobs is None:
+            return
+        entries = num_prompts * sampling.n * num_tokens * (sampling.logprobs + 1)
+        if entries > self.config.max_echo_logprob_entries:
+            raise InvalidRequest(
+                f"echo with logprobs would return {entries} logprob entries ({num_prompts} prompts x {sampling.n} "
+                f"choices x {num_tokens} prompt and answer tokens x {sampling.logprobs + 1}); at most "
+                f"{self.config.max_echo_logprob_entries} (LOCKSTEP_MAX_ECHO_LOGPROB_ENTRIES): ask fewer logprobs, "
+                "choices or tokens", "echo")
 
     def submit_many(self, prompts: list[str], sampling: SamplingParams | None = None,
                     **options) -> list[RequestHandle]:
         """Submit every prompt (the scheduler batches them) or none: if one is refused, the others are cancelled.
         `options` are submit's keyword arguments (client_id, timeout_s)."""
+        sampling = sampling or SamplingParams()
+        self._check_samples_fit_a_client(len(prompts), sampling)
         handles = []
         try:
             for prompt in prompts:
-                handles.append(self.submit(prompt, sampling, **options))
+                handles.append(self.submit(prompt, sampling, num_prompts=len(prompts), **options))
         except EngineError:
             for handle in handles:
                 handle.cancel()
