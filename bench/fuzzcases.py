@@ -160,8 +160,9 @@ NEW_FIELD_POOLS = {
     "echo": [True, False, 1, "true", None], "response_format": RESPONSE_FORMATS + VALID_RESPONSE_FORMATS,
 }
 NEW_FIELDS = {  # the new fields each surface reads (a field sent elsewhere must be refused by name)
+    # echo is served by /v1/completions only (elsewhere it is refused by name: nothing to echo into)
     "/basic_generate": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-                        "n", "best_of", "min_tokens", "echo", "response_format"],
+                        "n", "best_of", "min_tokens", "response_format"],
     "/v1/completions": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
                         "n", "best_of", "min_tokens", "echo", "response_format"],
     "/v1/chat/completions": ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
