@@ -10,12 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .server import REPO, free_port, start_gunicorn
+from .server import REPO, free_port, http_status, signal_group, start_gunicorn
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +67,7 @@ class ProcessServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"exited during start-up (code {self.process.returncode}):\n{self.log_tail()}")
-            if _status(self.url + "/v1/models") == 200:
+            if http_status(self.url + "/v1/models") == 200:
                 return
             time.sleep(READY_POLL_S)  # nothing to wait on but the port
         raise RuntimeError(f"not ready within {timeout:.0f} s:\n{self.log_tail()}")
@@ -77,11 +75,11 @@ class ProcessServer:
     def stop(self) -> None:
         if self.process.poll() is not None:
             return
-        _signal_group(self.process.pid, signal.SIGTERM)
+        signal_group(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
-            _signal_group(self.process.pid, signal.SIGKILL)
+            signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -123,20 +121,3 @@ def llama_cpp_command(port: int) -> list[str]:
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(find_gguf()), "--model_alias", SERVED_NAME,
             "--n_threads", "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1",
             "--port", str(port)]
-
-
-def _status(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return None
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # start_new_session made the server its group's leader
-    except ProcessLookupError:
-        pass

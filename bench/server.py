@@ -170,7 +170,7 @@ class ServerUnderTest:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"gunicorn exited during start-up:\n{self.log_tail()}")
-            if _get_status(self.url + "/ready") == 200:
+            if http_status(self.url + "/ready") == 200:
                 return
             self._watch_stop.wait(0.5)  # a start-up poll: nothing to block on but the port
         raise RuntimeError(f"the server at {self.url} never became ready:\n{self.log_tail()}")
@@ -180,11 +180,11 @@ class ServerUnderTest:
         self.stop_watching()
         if self.process is None or self.process.poll() is not None:
             return
-        _signal_group(self.process.pid, signal.SIGTERM)
+        signal_group(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(40)
         except subprocess.TimeoutExpired:
-            _signal_group(self.process.pid, signal.SIGKILL)
+            signal_group(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
 
 
@@ -209,14 +209,14 @@ def _exception_line(block: str) -> str:
     return "?"
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)  # start_new_session made the master its group leader
     except ProcessLookupError:
         pass
 
 
-def _get_status(url: str) -> int | None:
+def http_status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return response.status

@@ -121,3 +121,18 @@ def _single_threaded_torch_in_the_test_process():
 @pytest.fixture(autouse=True)
 def _quiet_http_logs():
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def sdk_server(request, smol_model_dir):
+    """The live server on each backend, for the `openai` SDK tests; float32, as tests/test_backends.py (in bfloat16
+    the two backends' kernels round near-ties differently)."""
+    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
+    yield live
+    live.stop()
+
+
+def sdk(server) -> "openai.OpenAI":
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

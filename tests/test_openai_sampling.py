@@ -5,26 +5,14 @@ import math
 import openai
 import pytest
 
-from .conftest import start_live_server
+from .conftest import sdk
 
 CAPITAL = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module", params=["hf", "vllm"])
-def server(request, smol_model_dir):
-    # float32 (as tests/test_backends.py): in bfloat16 the two backends' kernels round near-ties differently.
-    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
-    yield live
-    live.stop()
-
-
-def test_chat_logprobs_in_openais_shape(server):
-    reply = sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0,
+def test_chat_logprobs_in_openais_shape(sdk_server):
+    reply = sdk(sdk_server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0,
                                                 logprobs=True, top_logprobs=3)
     choice = reply.choices[0]
     content = choice.logprobs.content
@@ -35,13 +23,13 @@ def test_chat_logprobs_in_openais_shape(server):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy: the top one
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
                                                                  reverse=True)
-    plain = sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0)
+    plain = sdk(sdk_server).chat.completions.create(model="m", messages=QUESTION, max_tokens=12, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
 
 
-def score(server, continuation: str) -> float:
+def score(sdk_server, continuation: str) -> float:
     """lm-evaluation-harness's log-likelihood request: echo the prompt with its logprobs, generate one token."""
-    reply = sdk(server).completions.create(model="m", prompt=CAPITAL + continuation, max_tokens=1, temperature=0,
+    reply = sdk(sdk_server).completions.create(model="m", prompt=CAPITAL + continuation, max_tokens=1, temperature=0,
                                            logprobs=1, echo=True)
     logprobs = reply.choices[0].logprobs
     assert reply.choices[0].text.startswith(CAPITAL + continuation)
@@ -49,19 +37,19 @@ def score(server, continuation: str) -> float:
     assert len(logprobs.tokens) == reply.usage.prompt_tokens + 1
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
     assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
-    context_tokens = len(sdk(server).completions.create(model="m", prompt=CAPITAL, max_tokens=1, logprobs=0,
+    context_tokens = len(sdk(sdk_server).completions.create(model="m", prompt=CAPITAL, max_tokens=1, logprobs=0,
                                                         echo=True).choices[0].logprobs.tokens) - 1
     return sum(logprobs.token_logprobs[context_tokens:-1])
 
 
-def test_echo_scores_continuations_as_evaluation_harnesses_do(server):
-    paris, london = score(server, " Paris"), score(server, " London")
+def test_echo_scores_continuations_as_evaluation_harnesses_do(sdk_server):
+    paris, london = score(sdk_server, " Paris"), score(sdk_server, " London")
     assert paris > london and paris > math.log(0.05)
 
 
-def test_echo_of_a_prompt_longer_than_a_prefill_chunk(server):
+def test_echo_of_a_prompt_longer_than_a_prefill_chunk(sdk_server):
     prompt = " ".join(f"item {i}," for i in range(60))  # ~180 tokens: several prefill chunks on both backends
-    reply = sdk(server).completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+    reply = sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
                                            echo=True)
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == reply.usage.prompt_tokens + 1 > 150
@@ -70,16 +58,16 @@ def test_echo_of_a_prompt_longer_than_a_prefill_chunk(server):
     assert sum(logprobs.token_logprobs[-40:-1]) > -20  # the pattern is easy to predict once it is set
 
 
-def test_completion_logprobs_k_and_greedy_tokens(server):
-    reply = sdk(server).completions.create(model="m", prompt=CAPITAL, max_tokens=6, temperature=0, logprobs=2)
+def test_completion_logprobs_k_and_greedy_tokens(sdk_server):
+    reply = sdk(sdk_server).completions.create(model="m", prompt=CAPITAL, max_tokens=6, temperature=0, logprobs=2)
     logprobs = reply.choices[0].logprobs
     assert "".join(logprobs.tokens) == reply.choices[0].text
     for token, token_logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert max(top, key=top.get) == token and top[token] == pytest.approx(token_logprob)
 
 
-def test_n_samples_and_best_of(server):
-    client = sdk(server)
+def test_n_samples_and_best_of(sdk_server):
+    client = sdk(sdk_server)
     reply = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
                                       n=3, logprobs=0, extra_body={"ignore_eos": True})
     assert [c.index for c in reply.choices] == [0, 1, 2] and len({c.text for c in reply.choices}) > 1
@@ -94,9 +82,9 @@ def test_n_samples_and_best_of(server):
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy samples agree
 
 
-def test_logit_bias_and_penalties(server):
-    client = sdk(server)
-    token_id = server.state.engine.encode(prompt=" banana")[0]
+def test_logit_bias_and_penalties(sdk_server):
+    client = sdk(sdk_server)
+    token_id = sdk_server.state.engine.encode(prompt=" banana")[0]
     forced = client.completions.create(model="m", prompt=CAPITAL, max_tokens=4, temperature=0,
                                        logit_bias={str(token_id): 100})
     assert forced.choices[0].text == " banana" * 4
@@ -111,8 +99,8 @@ def test_logit_bias_and_penalties(server):
     assert plain.choices[0].text.count("1") > penalised.choices[0].text.count("1")
 
 
-def test_min_tokens_holds_back_eos(server):
-    client = sdk(server)
+def test_min_tokens_holds_back_eos(sdk_server):
+    client = sdk(sdk_server)
     short = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=40, temperature=0)
     assert short.choices[0].finish_reason == "stop"
     at_least = short.usage.completion_tokens + 5
@@ -132,7 +120,7 @@ def test_min_tokens_holds_back_eos(server):
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"min_tokens": 9, "max_tokens": 3}}, "min_tokens"),
 ])
-def test_bad_values_are_400_naming_the_field(server, fields, param):
+def test_bad_values_are_400_naming_the_field(sdk_server, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
-        sdk(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=3, **fields)
+        sdk(sdk_server).chat.completions.create(model="m", messages=QUESTION, max_tokens=3, **fields)
     assert refused.value.body["param"] == param

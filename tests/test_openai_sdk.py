@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from .client import WsClient, http
-from .conftest import start_live_server
+from .conftest import sdk
 
 VALIDATION_CODES = {"missing_field", "invalid_value", "unsupported_field", "context_length_exceeded"}
 GREEDY = {"temperature": 0}
@@ -13,22 +13,10 @@ NO_EOS = {"extra_body": {"ignore_eos": True}}
 QUESTION = "What is the capital of France?"
 
 
-def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module", params=["hf", "vllm"])
-def server(request, smol_model_dir):
-    """Both backends; float32, as tests/test_backends.py (bf16 kernels round near-ties differently)."""
-    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
-    yield live
-    live.stop()
-
-
 # -- on both backends -------------------------------------------------------------------------------------------
 
-def test_models_list_and_retrieve(server):
-    client = sdk(server)
+def test_models_list_and_retrieve(sdk_server):
+    client = sdk(sdk_server)
     listed = client.models.list().data
     assert len(listed) == 1
     model = client.models.retrieve(listed[0].id)
@@ -38,8 +26,8 @@ def test_models_list_and_retrieve(server):
     assert refused.value.code == "model_not_found"
 
 
-def test_chat_takes_developer_role_text_parts_names_and_max_completion_tokens(server):
-    client = sdk(server)
+def test_chat_takes_developer_role_text_parts_names_and_max_completion_tokens(sdk_server):
+    client = sdk(sdk_server)
     plain = client.chat.completions.create(
         model="smollm2", max_tokens=30, **GREEDY,
         messages=[{"role": "system", "content": "You are a helpful assistant."},
@@ -56,10 +44,10 @@ def test_chat_takes_developer_role_text_parts_names_and_max_completion_tokens(se
     assert capped.usage.completion_tokens == 5 and capped.choices[0].finish_reason == "length"
 
 
-def test_completions_take_token_id_prompts(server):
-    client = sdk(server)
+def test_completions_take_token_id_prompts(sdk_server):
+    client = sdk(sdk_server)
     text_prompts = ["1, 2, 3, 4,", "Monday, Tuesday, Wednesday,"]
-    token_ids = [http("POST", server.url + "/tokenize", {"prompt": p})[2]["tokens"] for p in text_prompts]
+    token_ids = [http("POST", sdk_server.url + "/tokenize", {"prompt": p})[2]["tokens"] for p in text_prompts]
     by_text = client.completions.create(model="smollm2", prompt=text_prompts, max_tokens=6, **GREEDY)
     by_ids = client.completions.create(model="smollm2", prompt=token_ids, max_tokens=6, **GREEDY)
     assert [c.text for c in by_ids.choices] == [c.text for c in by_text.choices]
@@ -71,13 +59,13 @@ def test_completions_take_token_id_prompts(server):
     assert (refused.value.code, refused.value.param) == ("invalid_value", "prompt")
 
 
-def test_the_python_client_streams_what_the_sdk_gets(server):
+def test_the_python_client_streams_what_the_sdk_gets(sdk_server):
     from lockstep_client import Client
 
     messages = [{"role": "developer", "content": "Answer briefly."},
                 {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]
-    reply = sdk(server).chat.completions.create(model="smollm2", messages=messages, max_tokens=20, **GREEDY)
-    pieces = list(Client(server.url).stream(messages=messages, max_tokens=20, temperature=0))
+    reply = sdk(sdk_server).chat.completions.create(model="smollm2", messages=messages, max_tokens=20, **GREEDY)
+    pieces = list(Client(sdk_server.url).stream(messages=messages, max_tokens=20, temperature=0))
     assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content
 
 
