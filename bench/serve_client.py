@@ -229,6 +229,18 @@ class _HttpTarget:
                 self._open.discard(connection)
             connection.close()
 
+    def _exchange(self, result: RequestResult, body: dict, read) -> None:
+        """POST `body` to /v1/completions and hand the response to `read`; a transport failure is the result's
+        error. The connection is released (or dropped) either way."""
+        connection = None
+        try:
+            connection, response = self._post("/v1/completions", body)
+            read(response)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finished(connection)
+
     def close(self) -> None:
         pass
 
@@ -247,15 +259,8 @@ class LockstepRest(_HttpTarget):
         result = RequestResult(spec.index, is_streaming=False)
         body = {"prompt": spec.prompt, "max_tokens": spec.output_len, **sampling.body_fields()}
         stopwatch = _Stopwatch(result)
-        connection = None
-        try:
-            connection, response = self._post("/v1/completions", body)
-            payload = json.loads(response.read())
-            _read_completion(result, response.status, payload)
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._finished(connection)
+        self._exchange(result, body, lambda response: _read_completion(result, response.status,
+                                                                       json.loads(response.read())))
         stopwatch.stop()
         return result
 
@@ -285,19 +290,16 @@ class OpenAiCompletions(_HttpTarget):
         if sampling.include_usage:
             body["stream_options"] = {"include_usage": True}
         stopwatch = _Stopwatch(result)
-        connection = None
-        try:
-            connection, response = self._post("/v1/completions", body)
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {_error_text(_json_or_text(response.read()))}"
-            else:
-                _read_event_stream(response, stopwatch)
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._finished(connection)
+        self._exchange(result, body, lambda response: _read_stream_or_error(response, stopwatch))
         stopwatch.stop()
         return result
+
+
+def _read_stream_or_error(response: http.client.HTTPResponse, stopwatch: _Stopwatch) -> None:
+    if response.status != 200:
+        stopwatch.result.error = f"HTTP {response.status}: {_error_text(_json_or_text(response.read()))}"
+    else:
+        _read_event_stream(response, stopwatch)
 
 
 def _read_event_stream(response: http.client.HTTPResponse, stopwatch: _Stopwatch) -> None:
