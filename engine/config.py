@@ -46,6 +46,9 @@ class EngineConfig:
     # hf: greedy output bit-identical to the request run alone, whatever else is in the batch (prompt chunks
     # planned from the prompt alone, decode never at one row); costs about 1-3% (docs/benchmarks.md).
     batch_invariant: bool = True
+    # hf, Llama-shaped models: decode steps run by engine/backends/fast_decode.py (fused projections, oneDNN's
+    # reordered weights) instead of the model's forward; the same numbers, bit for bit (tests/test_fast_decode.py).
+    fast_decode: bool = True
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.

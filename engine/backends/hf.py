@@ -39,6 +39,7 @@ from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
+from .fast_decode import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
@@ -96,6 +97,9 @@ class HFBackend(Backend):
         self.seconds_per_cost_unit: float | None = None  # measured: see `_chunk_size`
         self.batch_invariant = config.batch_invariant
         self.slot_attention = use_slot_attention(self.model)
+        # A lean decode step over the slot cache (fast_decode.py); None: the model's forward decodes.
+        use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model)
+        self.fast_decoder = FastDecoder(self.model) if use_fast else None
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -107,9 +111,9 @@ class HFBackend(Backend):
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "
-                    "batch invariance %s", self.info.dtype, self.device, torch.get_num_threads(),
+                    "%s decode step, batch invariance %s", self.info.dtype, self.device, torch.get_num_threads(),
                     self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
-                    "on" if self.batch_invariant else "off")
+                    "fast" if self.fast_decoder else "the model's", "on" if self.batch_invariant else "off")
 
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
@@ -147,7 +151,10 @@ class HFBackend(Backend):
         token_ids += token_ids[:1] * (min_rows - len(token_ids))  # padding rows: outputs ignored
         input_ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # [B, 1]
         position_ids, attention_mask = self.cache.prepare_decode(min_rows)  # [B, 1], [B, 1, 1, capacity]
-        logits = self._forward(input_ids, attention_mask, position_ids, self.cache)  # [B, V]
+        if self.fast_decoder is not None:
+            logits = self.fast_decoder.decode(input_ids, position_ids, attention_mask, self.cache)  # [B, V]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, self.cache)
         self.cache.finish_decode()
         picked: dict[int, torch.Tensor] = {}  # row index -> its token, still on the device
         for i, row in enumerate(self.rows):

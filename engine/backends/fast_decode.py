@@ -1,0 +1,185 @@
+"""A lean decode step for Llama-shaped models: the same arithmetic as transformers' forward, with less around it.
+
+At one to sixteen rows a decode step on CPU is dominated by work per operator, not by arithmetic: transformers'
+modules, hooks, mask and cache interfaces cost about as much again as the matmuls (bench/decode_profile.py), and
+oneDNN pays a fixed price per matmul call, so seven small matmuls per layer cost about twice three larger ones
+(measured: 31 vs 15 ms for one row through every layer in bfloat16). This step therefore:
+- fuses the q/k/v projections into one matmul and gate/up into another. The fused weights are the storage: the
+  model's own q/k/v and gate/up weights become views of them, so prefill (which still runs the model's forward)
+  reads the same numbers and no memory is added;
+- runs each layer as a flat sequence of tensor ops on the slot KV cache (kv_cache.py): keys and values written in
+  place, attention as two grouped matmuls, the mask built once per step by the cache.
+Every op other than the fusion is the one transformers runs, in the same order and dtypes (RMSNorm in float32,
+rotary embedding from the model's own rotary module, softmax in float32), so a row's result does not depend on
+the other rows: batch invariance holds as for the model's forward (tests/test_batch_invariance.py).
+
+Used where the matmuls can be reordered: bfloat16 on CPU (in float32, MKL computes one row differently from
+several, and a fused weight differently from its parts, so fusing would change the numbers there). Models this
+does not understand (biases, other activations or norms, no rotary module) keep the model's forward too.
+"""
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .kv_cache import SlotKVCache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
+PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
+PROBE_ROWS = 33
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    input_norm_eps: float
+    qkv: "Linear"  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    out: "Linear"  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor
+    post_norm_eps: float
+    gate_up: "Linear"  # [2 * intermediate, hidden]
+    down: "Linear"  # [hidden, intermediate]
+
+
+class Linear:
+    """`x @ weight.T`, with the weight reordered once into oneDNN's blocked layout where that computes the same
+    numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call (measured, one thread,
+    every layer's weights at 1 / 16 rows: 28 / 51 ms plain, 18 / 26 ms reordered). The reordered copy is checked
+    bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain one is used."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.packed = _packed(weight) if _can_pack(weight) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return torch.nn.functional.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class FastDecoder:
+    """`decode(token_ids, cache)` returns every row's next-token logits [B, V] in float32-free model dtype."""
+
+    def __init__(self, model: nn.Module):
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        decoder = model.model
+        self.embed = decoder.embed_tokens.weight
+        self.rotary = decoder.rotary_emb
+        self.final_norm, self.final_norm_eps = _norm(decoder.norm)
+        self.lm_head = Linear(model.lm_head.weight)
+        self.layers = [_fuse_layer(layer) for layer in decoder.layers]
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        config = model.config
+        decoder = getattr(model, "model", None)
+        return (config.model_type in SUPPORTED_MODEL_TYPES and getattr(config, "hidden_act", None) == "silu"
+                and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
+                and getattr(decoder, "rotary_emb", None) is not None and hasattr(model, "lm_head")
+                and model.lm_head.bias is None and _can_pack(model.lm_head.weight))
+
+    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+               cache: SlotKVCache) -> torch.Tensor:
+        """One token per row: input_ids and position_ids [B, 1], attention_mask [B, 1, 1, capacity] from
+        `cache.prepare_decode`. Returns the logits [B, V]."""
+        hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
+        cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(hidden, layer, cos, sin, attention_mask, cache, index)
+        hidden = _rms_norm(hidden, self.final_norm, self.final_norm_eps)
+        return self.lm_head(hidden)
+
+    def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, cache: SlotKVCache, index: int):
+        batch = hidden.shape[0]
+        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
+        qkv = layer.qkv(normed)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query, key, value = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        query = _rotate(query.view(batch, self.num_heads, self.head_dim), cos, sin)
+        key = _rotate(key.view(batch, self.num_kv_heads, self.head_dim), cos, sin)
+        keys, values = cache.update(key.unsqueeze(2), value.view(batch, self.num_kv_heads, 1, self.head_dim), index)
+        attended = self._attention(query, keys, values, attention_mask)
+        hidden = hidden + layer.out(attended)
+        normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
+        gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+        return hidden + layer.down(torch.nn.functional.silu(gate) * up)
+
+    def _attention(self, query, keys, values, attention_mask) -> torch.Tensor:
+        """Grouped-query attention for one query token per row, as kv_cache.slot_attention computes it."""
+        batch = query.shape[0]
+        grouped = query.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(2, 3)) * self.scaling  # [B, kv_heads, group, capacity]
+        scores = scores + attention_mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(weights, values).view(batch, self.num_heads * self.head_dim)
+
+
+def _fuse_layer(layer: nn.Module) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
+    gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+    input_norm, input_eps = _norm(layer.input_layernorm)
+    post_norm, post_eps = _norm(layer.post_attention_layernorm)
+    return _Layer(input_norm, input_eps, Linear(qkv), Linear(attention.o_proj.weight), post_norm, post_eps,
+                  Linear(gate_up), Linear(mlp.down_proj.weight))
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@torch.no_grad()  # with autograd on, oneDNN computes one row differently (measured)
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of `weight`, if it gives the plain matmul's numbers bit for bit (probed at 1, 2, 3
+    and 33 rows: the plain matmul itself rounds one row differently from several, and so must this)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        same = all(torch.equal(torch.ops.mkldnn._linear_pointwise(probe[:rows], packed, None, "none", [], ""),
+                               torch.nn.functional.linear(probe[:rows], weight)) for rows in (1, 2, 3, PROBE_ROWS))
+    except RuntimeError as exc:
+        logger.warning("oneDNN's reordered matmul is unavailable (%s); plain matmuls", exc)
+        return None
+    if not same:
+        logger.warning("oneDNN's reordered matmul differs from the plain one for a %s weight; plain matmuls",
+                       tuple(weight.shape))
+        return None
+    return packed
+
+
+def _fuse(*projections: nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input; each projection's weight becomes a (contiguous)
+    row slice of it, so the model's forward reads the same storage."""
+    fused = torch.cat([projection.weight.detach() for projection in projections], dim=0)
+    start = 0
+    for projection in projections:
+        rows = projection.weight.shape[0]
+        projection.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    return module.weight, getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm, op for op: float32 statistics, the weight applied in the model's dtype."""
+    as_float = hidden.to(torch.float32)
+    variance = as_float.pow(2).mean(-1, keepdim=True)
+    return weight * (as_float * torch.rsqrt(variance + eps)).to(hidden.dtype)
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for [B, heads, head_dim] with cos/sin [B, 1, head_dim]."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return states * cos + rotated * sin

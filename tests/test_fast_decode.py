@@ -1,0 +1,135 @@
+"""The lean decode step (engine/backends/fast_decode.py) against the model's own forward over the same slot cache:
+the same logits and the same cached keys and values, bit for bit, in bfloat16 (the embedded SmolLM2, oneDNN's
+reordered weights, and a tiny random Llama), as rows join, decode and leave."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from engine.backends import fast_decode
+from engine.backends.fast_decode import FastDecoder, Linear
+from engine.backends.kv_cache import SlotKVCache, use_slot_attention
+
+
+def load(model_dir: str, dtype: torch.dtype):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    assert use_slot_attention(model)
+    return model
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    return [(13 * i + 37 * salt) % 5000 + 20 for i in range(length)]
+
+
+class TwinBatches:
+    """The same rows decoded by the model's forward (on `reference`) and by FastDecoder (on its own copy of the
+    model), each over its own SlotKVCache; every step compares the two."""
+
+    def __init__(self, reference, fast_model):
+        self.reference, self.fast = reference, FastDecoder(fast_model)
+        config = reference.config
+        shape = (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size // config.num_attention_heads,
+                 reference.dtype, torch.device("cpu"))
+        self.reference_cache, self.fast_cache = SlotKVCache(*shape), SlotKVCache(*shape)
+        self.last_tokens: list[int] = []
+
+    def join(self, token_ids: list[int]) -> None:
+        prefill = DynamicCache()
+        logits = self.reference(input_ids=torch.tensor([token_ids]), past_key_values=prefill, use_cache=True).logits
+        layers = [(layer.keys, layer.values) for layer in prefill.layers]
+        self.reference_cache.add_row(layers, len(token_ids))
+        self.fast_cache.add_row(layers, len(token_ids))
+        self.last_tokens.append(int(logits[0, -1].argmax()))
+
+    def leave(self, rows: set[int]) -> None:
+        moves = self.reference_cache.remove_rows(rows)
+        assert self.fast_cache.remove_rows(rows) == moves
+        for source, target in moves:
+            self.last_tokens[target] = self.last_tokens[source]
+        del self.last_tokens[len(self.last_tokens) - len(rows):]
+
+    def step(self, min_rows: int) -> None:
+        fed = self.last_tokens + self.last_tokens[:1] * (min_rows - len(self.last_tokens))
+        input_ids = torch.tensor(fed)[:, None]
+        position_ids, mask = self.reference_cache.prepare_decode(min_rows)
+        expected = self.reference(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                  past_key_values=self.reference_cache, use_cache=True).logits[:, -1]
+        position_ids, mask = self.fast_cache.prepare_decode(min_rows)
+        got = self.fast.decode(input_ids, position_ids, mask, self.fast_cache)
+        self.reference_cache.finish_decode()
+        self.fast_cache.finish_decode()
+        rows = len(self.last_tokens)
+        assert torch.equal(got[:rows], expected[:rows])
+        for stored, reference in zip(self.fast_cache.keys + self.fast_cache.values,
+                                     self.reference_cache.keys + self.reference_cache.values):
+            assert torch.equal(stored[:rows], reference[:rows])
+        self.last_tokens = got[:rows].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny-llama"])
+@torch.inference_mode()
+def test_the_fast_step_gives_the_models_logits_and_cache_bit_for_bit(which, smol_model_dir, tiny_model_dir):
+    model_dir = smol_model_dir if which == "smollm2" else tiny_model_dir
+    batches = TwinBatches(load(model_dir, torch.bfloat16), load(model_dir, torch.bfloat16))
+    for salt, length in enumerate((5, 23, 11)):
+        batches.join(prompt(length, salt))
+    for _ in range(3):
+        batches.step(min_rows=2)
+    batches.leave({0})  # the last row moves into slot 0
+    batches.join(prompt(40, 7))
+    for _ in range(3):
+        batches.step(min_rows=2)
+    batches.leave({0, 1})
+    for _ in range(2):
+        batches.step(min_rows=2)  # one real row beside a padding row, as batch invariance runs it
+    batches.step(min_rows=1)
+
+
+@torch.inference_mode()
+def test_the_model_reads_the_fused_weights_it_was_given(tiny_model_dir):
+    """Fusing makes q/k/v and gate/up views of one weight: the model's forward (prefill) must compute what it did."""
+    model = load(tiny_model_dir, torch.bfloat16)
+    input_ids = torch.tensor([prompt(9, 1)])
+    before = model(input_ids=input_ids).logits
+    FastDecoder(model)
+    attention = model.model.layers[0].self_attn
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == attention.q_proj.weight.untyped_storage().data_ptr()
+    assert torch.equal(model(input_ids=input_ids).logits, before)
+
+
+@torch.inference_mode()
+def test_reordered_weights_compute_what_the_plain_matmul_does(smol_model_dir):
+    model = load(smol_model_dir, torch.bfloat16)
+    layer = model.model.layers[0]
+    weights = [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight]
+    for weight in weights:
+        linear = Linear(weight)
+        if torch.backends.mkldnn.is_available():
+            assert linear.packed is not None
+        x = torch.randn(17, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        for rows in (1, 2, 5, 17):
+            assert torch.equal(linear(x[:rows]), torch.nn.functional.linear(x[:rows], weight))
+
+
+@torch.inference_mode()
+def test_a_reordered_matmul_that_computes_differently_is_not_used(monkeypatch, smol_model_dir):
+    weight = load(smol_model_dir, torch.bfloat16).model.layers[0].mlp.down_proj.weight
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def off_by_one(x, *args):
+        return real(x, *args) + 1
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", off_by_one)
+    linear = Linear(weight)
+    assert linear.packed is None
+    x = torch.randn(3, weight.shape[1]).to(torch.bfloat16)
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, weight))
+
+
+def test_models_it_does_not_understand_keep_their_own_forward():
+    tiny = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1)
+    assert FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny)).to(torch.bfloat16))
+    assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny)))  # float32: MKL, see the module's docstring
+    assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, attention_bias=True)).to(torch.bfloat16))
+    assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, hidden_act="gelu")).to(torch.bfloat16))
+    assert fast_decode.SUPPORTED_MODEL_TYPES >= {"llama"}
