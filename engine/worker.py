@@ -3,6 +3,10 @@
 The model is loaded here, after the fork, so the parent never touches CUDA or runs a
 torch op. The loop blocks on the task queue; it exits on ShutdownTask or when the parent
 is gone (so a killed server never leaves an orphan holding the model).
+
+The parent runs threads (HTTP requests, the scheduler) and the fork copies only the one
+that forked: whatever lock another thread held at that instant stays held in the child
+forever. The first thing the child does is let go of those it will need (imports).
 """
 import ctypes
 import logging
@@ -10,6 +14,9 @@ import os
 import queue
 import signal
 import stat
+import sys
+import threading
+from importlib import _bootstrap as import_machinery
 
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
@@ -22,6 +29,7 @@ PR_SET_PDEATHSIG = 1
 
 def run_worker(config, model_path: str, backend_name: str, task_queue, result_queue) -> None:
     parent_pid = os.getppid()
+    forget_imports_of_lost_threads()
     lead_own_process_group()
     close_inherited_sockets()
     ignore_stop_signals()
@@ -52,6 +60,39 @@ def serve_tasks(backend, parent_pid: int, task_queue, result_queue) -> None:
         if isinstance(task, ShutdownTask):
             return
         result_queue.put(handle_task(backend, task))
+
+
+def forget_imports_of_lost_threads() -> None:
+    """Drop the imports other threads of the parent were in the middle of when it forked.
+
+    Such an import holds its module's lock, and its module sits half-run in sys.modules; the thread that would
+    finish it does not exist here, so importing that module in the child waited forever. Seen: the first
+    request of a gunicorn worker imports `encodings.idna` (werkzeug binds the URL map to the Host header)
+    while the scheduler thread forks; vLLM's import of `requests` then imports it too and hung the worker's
+    start. Forgetting the lock and the half-run module lets the child import it afresh."""
+    module_locks = getattr(import_machinery, "_module_locks", None)
+    if module_locks is None:  # not CPython's importlib: nothing we know how to repair
+        return
+    me = threading.get_ident()  # the forking thread's id, kept by the child
+    for name, lock in lost_thread_module_locks(module_locks, me).items():
+        module_locks.pop(name, None)
+        module = sys.modules.get(name)
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+        logger.warning("forgot the import of %s that thread %s of the parent had not finished", name, lock.owner)
+    blocking_on = getattr(import_machinery, "_blocking_on", {})
+    for thread_id in [thread_id for thread_id in list(blocking_on) if thread_id != me]:
+        blocking_on.pop(thread_id, None)  # a lost thread waiting on a lock would confuse deadlock detection
+
+
+def lost_thread_module_locks(module_locks: dict, me: int) -> dict:
+    """{module name: its import lock} for the locks held by a thread other than `me`."""
+    held = {}
+    for name, ref in list(module_locks.items()):
+        lock = ref()
+        if lock is not None and getattr(lock, "count", 0) and getattr(lock, "owner", me) != me:
+            held[name] = lock
+    return held
 
 
 def lead_own_process_group() -> None:
