@@ -2,11 +2,12 @@
 
     python -m bench compare [--configs hf,hf-static,hf-none,vllm,vllm-server,llama-cpp] [--concurrency 1,8,16]
         [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--deadline 120] [--out-dir .cache/bench]
-        [--docs docs/benchmarks.md]
+        [--probe/--no-probe] [--probe-streams 8] [--probe-count 15] [--docs docs/benchmarks.md]
 
 Every configuration gets the same load (bench/serve.py): the built-in prompts, greedy, ignore_eos, closed-loop
 clients (at most N requests in flight, 2 requests per client), then, for the configurations marked so, one request
-each of 64, 256 and 1,024 output tokens alone (the per-token cost as a sequence grows). Servers that are not
+each of 64, 256 and 1,024 output tokens alone (the per-token cost as a sequence grows), then the TTFT of a
+~30-token prompt beside 8 running streams (bench/probe.py). Servers that are not
 installed are skipped and say so. The ratios compare each lockstep configuration with the best peer (vLLM's or
 llama.cpp's server) measured in the same run. Results: a table on the terminal, compare.json and compare.png in
 --out-dir, and with --docs the serving section of that Markdown file (and its plot beside it) rewritten.
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import serve, serve_data
+from . import probe, serve, serve_data
 from .compare_report import ConfigResult, Plan, Report, describe_machine
 from .peers import SERVED_NAME, ServerConfig, start_server
 
@@ -68,6 +69,8 @@ def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_
         result.ready_s = time.monotonic() - started
         logger.info("%s: ready in %.0f s", config.name, result.ready_s)
         _run_sweep(result, server.url, plan, tokenizer, show_progress)
+        if plan.probe is not None:
+            result.probe = probe.measure_config(config, server.url, tokenizer, plan.probe)
     except RuntimeError as exc:  # it did not start: the others still run
         result.skipped = f"failed to start: {str(exc)[:300]}"
         logger.error("%s: %s", config.name, result.skipped)
@@ -113,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-duration", type=float, default=60.0, help="s per point before no new requests")
     parser.add_argument("--deadline", type=float, default=120.0, help="s per point before the requests still "
                                                                       "running are cut (and count as failed)")
+    parser.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                        help="after each sweep, the TTFT of a ~30-token prompt beside running streams")
+    parser.add_argument("--probe-streams", type=int, default=probe.ProbePlan.num_streams)
+    parser.add_argument("--probe-count", type=int, default=probe.ProbePlan.num_probes, help="probes per server")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--docs", default=None, help="Markdown file whose serving section is rewritten")
     parser.add_argument("--no-progress", action="store_true")
@@ -123,10 +130,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown configs {unknown}: choose from {', '.join(CONFIGS)}")
     try:
+        probe_plan = probe.ProbePlan(num_streams=args.probe_streams, num_probes=args.probe_count,
+                                     deadline_s=args.deadline) if args.probe else None
         args.plan = Plan(_ints(args.concurrency), args.output_len, _ints(args.lengths), args.max_duration,
-                         args.deadline)
+                         args.deadline, probe=probe_plan)
     except ValueError as exc:
         parser.error(f"--concurrency and --lengths take comma lists of positive integers ({exc})")
+    if args.probe_streams < 1 or args.probe_count < 1:
+        parser.error("--probe-streams and --probe-count must be at least 1")
     if args.output_len < 1 or not 0 < args.max_duration <= args.deadline < math.inf:
         parser.error("--output-len must be at least 1, and 0 < --max-duration <= --deadline (seconds)")
     return args
@@ -142,7 +153,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in (__name__, "bench.peers", "bench.serve"):
+    for name in (__name__, "bench.peers", "bench.serve", "bench.probe"):
         logging.getLogger(name).setLevel(logging.INFO)
     if args.from_json:
         publish(Report.from_dict(json.loads(Path(args.from_json).read_text())), args, Path(args.from_json).parent)

@@ -4,11 +4,13 @@
         [--dataset builtin|random] [--input-len 32] [--output-len 128] [--range-ratio 0] [--num-requests N]
         [--request-rate inf] [--burstiness 1] [--max-concurrency 1,8,16] [--ignore-eos/--no-ignore-eos]
         [--eos-method field|logit-bias|none] [--goodput ttft:100 tpot:50] [--result-json F] [--plot F.png]
+        [--probe [--probe-streams 8] [--probe-count 15]]
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in flight
 (a comma list runs one sweep point per value; without --num-requests each point sends 2 requests per slot). Each
 point starts with a warm-up request that is not measured. The metrics are vLLM's (bench/serve_metrics.py); output
-tokens are counted with the model's tokenizer on the text received.
+tokens are counted with the model's tokenizer on the text received. With --probe, after the sweep: the TTFT of a
+~30-token prompt while --probe-streams long streams run (bench/probe.py; a streaming --api only).
 """
 import argparse
 import json
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import serve_data, serve_metrics
+from . import probe, serve_data, serve_metrics
 from .serve_client import EOS_METHODS, LockstepRest, LockstepWebSocket, OpenAiCompletions, RequestResult, Sampling
 
 logger = logging.getLogger(__name__)
@@ -257,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--include-usage", action="store_true", help="ask an OpenAI server for its usage chunk")
     parser.add_argument("--result-json", default=None)
     parser.add_argument("--plot", default=None, help="PNG: throughput and TTFT against concurrency")
+    parser.add_argument("--probe", action="store_true", help="after the sweep, the TTFT of a ~30-token prompt "
+                                                             "beside --probe-streams running streams")
+    parser.add_argument("--probe-streams", type=int, default=probe.ProbePlan.num_streams)
+    parser.add_argument("--probe-count", type=int, default=probe.ProbePlan.num_probes)
     add_load_arguments(parser)
     return parser
 
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         check_load_arguments(args)
         if args.api == "openai" and not args.model:
             raise ValueError("--model is required for --api openai (the name the server serves)")
+        probe_plan = probe_plan_from(args)
         concurrencies = parse_concurrency(args.max_concurrency)
         slos = serve_metrics.parse_slos(args.goodput)
     except ValueError as exc:
@@ -321,13 +328,29 @@ def main(argv: list[str] | None = None) -> None:
         points.append((max_concurrency or len(measurement.outcome.specs), measurement.metrics))
         logger.info("%s", rows[-1])
     logger.info("\n%s\n%s", TABLE_HEADER, "\n".join(rows))
+    probe_result = None
+    if probe_plan is not None:
+        probe_result = probe.measure(lambda: make_target(args.api, args.url, args.model, api_key=args.api_key),
+                                     tokenizer, probe.greedy_sampling(tokenizer, args.eos_method), probe_plan)
+        logger.info("%s", probe_result.line(label))
     if args.result_json:
         write_json(args.result_json, {"label": label, "api": args.api, "url": args.url, "args": _args_record(args),
-                                      "runs": records})
+                                      "runs": records, "probe": probe_result.as_dict() if probe_result else None})
     if args.plot:
         from .serve_plot import plot_sweeps
 
         plot_sweeps({label: points}, args.plot, f"{args.output_len} output tokens per request")
+
+
+def probe_plan_from(args) -> probe.ProbePlan | None:
+    if not args.probe:
+        return None
+    if args.api == "lockstep-rest":
+        raise ValueError("--probe measures a first token: use a streaming --api (lockstep-ws or openai)")
+    if args.probe_streams < 1 or args.probe_count < 1:
+        raise ValueError("--probe-streams and --probe-count must be at least 1")
+    return probe.ProbePlan(num_streams=args.probe_streams, num_probes=args.probe_count,
+                           deadline_s=args.deadline or probe.ProbePlan.deadline_s)
 
 
 def _args_record(args) -> dict:

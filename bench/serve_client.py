@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -65,11 +66,15 @@ class RequestResult:
     error: str = ""
 
 
+OnFirstText = Callable[[], None] | None  # called (on the sending thread) when a request's first text arrives
+
+
 class _Stopwatch:
     """Timestamps pieces of text as they arrive into a RequestResult."""
 
-    def __init__(self, result: RequestResult):
+    def __init__(self, result: RequestResult, on_first_text: OnFirstText = None):
         self.result = result
+        self.on_first_text = on_first_text
         self.result.start_time = self.last = time.perf_counter()
 
     def piece(self, text: str) -> None:
@@ -78,6 +83,8 @@ class _Stopwatch:
         now = time.perf_counter()
         if self.result.ttft_s is None:
             self.result.ttft_s = now - self.result.start_time
+            if self.on_first_text is not None:
+                self.on_first_text()
         else:
             self.result.itl_s.append(now - self.last)
         self.last = now
@@ -99,11 +106,11 @@ class LockstepWebSocket:
         self._idle_since: dict[websocket.WebSocket, float | None] = {}  # every open socket; None while in use
         self._lock = threading.Lock()
 
-    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+    def send(self, spec: RequestSpec, sampling: Sampling, on_first_text: OnFirstText = None) -> RequestResult:
         result = RequestResult(spec.index)
         frame = json.dumps({"type": "generate", "id": str(spec.index), "prompt": spec.prompt,
                             "max_tokens": spec.output_len, **sampling.body_fields()})
-        stopwatch = _Stopwatch(result)
+        stopwatch = _Stopwatch(result, on_first_text)
         try:
             ws = self._socket_for_request()
             ws.send(frame)
@@ -255,7 +262,8 @@ class _HttpTarget:
 class LockstepRest(_HttpTarget):
     api = "lockstep-rest"
 
-    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+    def send(self, spec: RequestSpec, sampling: Sampling, on_first_text: OnFirstText = None) -> RequestResult:
+        """Not streamed: `on_first_text` is never called (the text arrives with the end)."""
         result = RequestResult(spec.index, is_streaming=False)
         body = {"prompt": spec.prompt, "max_tokens": spec.output_len, **sampling.body_fields()}
         stopwatch = _Stopwatch(result)
@@ -283,13 +291,13 @@ class OpenAiCompletions(_HttpTarget):
         super().__init__(base_url, timeout_s, api_key)
         self.model = model
 
-    def send(self, spec: RequestSpec, sampling: Sampling) -> RequestResult:
+    def send(self, spec: RequestSpec, sampling: Sampling, on_first_text: OnFirstText = None) -> RequestResult:
         result = RequestResult(spec.index)
         body = {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.output_len, "stream": True,
                 **sampling.body_fields()}
         if sampling.include_usage:
             body["stream_options"] = {"include_usage": True}
-        stopwatch = _Stopwatch(result)
+        stopwatch = _Stopwatch(result, on_first_text)
         self._exchange(result, body, lambda response: _read_stream_or_error(response, stopwatch))
         stopwatch.stop()
         return result
