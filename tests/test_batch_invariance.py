@@ -39,8 +39,9 @@ def test_a_lone_row_decodes_the_same_logits_as_inside_a_batch(smol_model_dir, mo
         return real(self, logits)
 
     monkeypatch.setattr(TokenSampler, "__call__", recording)
-    requests = [NewRequest(f"r{i}", tuple(range(100 + 37 * i, 130 + 41 * i)), WorkerSampling(seed=i, max_tokens=99))
-                for i in range(4)]
+    # logprobs: the rows go through their samplers (plain greedy rows share one argmax and never call them).
+    requests = [NewRequest(f"r{i}", tuple(range(100 + 37 * i, 130 + 41 * i)),
+                           WorkerSampling(seed=i, max_tokens=99, logprobs=0)) for i in range(4)]
 
     def decode(batch: list[NewRequest], steps: int) -> None:
         backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),

@@ -99,12 +99,11 @@ class FastDecoder:
     def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, cache: SlotKVCache, index: int):
         batch = hidden.shape[0]
         normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
-        qkv = layer.qkv(normed)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        query = _rotate(query.view(batch, self.num_heads, self.head_dim), cos, sin)
-        key = _rotate(key.view(batch, self.num_kv_heads, self.head_dim), cos, sin)
-        keys, values = cache.update(key.unsqueeze(2), value.view(batch, self.num_kv_heads, 1, self.head_dim), index)
+        heads = layer.qkv(normed).view(batch, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
+        query, key = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
+        value = heads[:, self.num_heads + self.num_kv_heads:]
+        keys, values = cache.update(key.unsqueeze(2), value.unsqueeze(2), index)
         attended = self._attention(query, keys, values, attention_mask)
         hidden = hidden + layer.out(attended)
         normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
@@ -114,7 +113,7 @@ class FastDecoder:
     def _attention(self, query, keys, values, attention_mask) -> torch.Tensor:
         """Grouped-query attention for one query token per row, as kv_cache.slot_attention computes it."""
         batch = query.shape[0]
-        grouped = query.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        grouped = query.reshape(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         scores = torch.matmul(grouped, keys.transpose(2, 3)) * self.scaling  # [B, kv_heads, group, capacity]
         scores = scores + attention_mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)

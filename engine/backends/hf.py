@@ -157,9 +157,12 @@ class HFBackend(Backend):
             logits = self._forward(input_ids, attention_mask, position_ids, self.cache)
         self.cache.finish_decode()
         picked: dict[int, torch.Tensor] = {}  # row index -> its token, still on the device
+        greedy = _greedy_tokens(self.rows, logits)
         for i, row in enumerate(self.rows):
             row.num_tokens += 1  # the token just fed is in the cache now
-            if (token := self._sample(row.request_id, row.sampler, logits[i], failed)) is not None:
+            if greedy is not None and row.sampler.is_plain_greedy:
+                picked[i] = greedy[i]
+            elif (token := self._sample(row.request_id, row.sampler, logits[i], failed)) is not None:
                 picked[i] = token
         new_token_ids = {}
         for i, token_id in zip(picked, _to_host(list(picked.values()))):
@@ -313,6 +316,14 @@ class HFBackend(Backend):
         # prompts of 2k-7.5k tokens; 694 MB, flat, with them).
         if not self.rows or freed_positions >= TRIM_AFTER_COLUMNS:
             release_freed_memory()
+
+
+def _greedy_tokens(rows: list[Row], logits: torch.Tensor) -> torch.Tensor | None:
+    """Every row's argmax in one pass, if some row is plain greedy (the same token its sampler would pick: argmax
+    of the same values; one call instead of a float copy and an argmax per row)."""
+    if not any(row.sampler.is_plain_greedy for row in rows):
+        return None
+    return logits[:len(rows)].argmax(dim=-1)
 
 
 def _to_host(tokens: list[torch.Tensor]) -> list[int]:
