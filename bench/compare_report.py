@@ -198,7 +198,7 @@ def probe_table(results: list[ConfigResult]) -> list[str]:
     streams = measured[0].probe.plan.num_streams
     peer = best_probe_peer(results)
     rows = [f"| server | probes counted / sent | TTFT ms p50 / p90 / max beside {streams} streams | E2E ms p50 | "
-            f"streams decoding during a probe | TTFT p50 vs {peer[0] if peer else 'best peer'} (lower is better) |",
+            f"streams decoding throughout a probe (fewest-most) | TTFT p50 vs {peer[0] if peer else 'best peer'} (lower is better) |",
             "|---|---:|---:|---:|---:|---:|"]
     for result in measured:
         probe, summary = result.probe, result.probe.summary()
@@ -381,9 +381,9 @@ class Report:
                 f"decode, {plan.num_probes} probes go out one after another ({tokens:.0f}-token prompt, "
                 f"{plan.probe_output_len} output tokens, greedy, {plan.min_gap_s:g}-{plan.max_gap_s:g} s apart). A "
                 "probe counts only if every stream decoded throughout it; TTFT is to the probe's first text, as in "
-                f"the sweep. The run stops at {plan.deadline_s:g} s (a probe still waiting then is cut): a server "
-                "that serves one request at a time never has the streams decode together, and its probe waits "
-                "behind them.", "", *rows, ""]
+                f"the sweep. Each server's probe run stops at {plan.deadline_s:g} s (a probe still waiting then is "
+                "cut): a server that serves one request at a time never has the streams decode together, and its "
+                "probe waits behind them.", "", *rows, ""]
 
     def _limits(self) -> list[str]:
         m = self.machine

@@ -7,8 +7,9 @@ another: a ~30-token prompt (numbered at its start, so no two probes share a pre
 greedy, a short random gap between them. A probe counts only if every stream was decoding for the whole of it
 (from its start to its last text). The run is bounded: when the streams do not all decode within
 `settle_timeout_s` (a server that serves one request at a time never gets there), the probes go out anyway and are
-reported as measured but not counted; a probe still running at `deadline_s` is cut. The streams are cancelled at
-the end (their connections shut down, which servers take as a cancel).
+reported as measured but not counted (the wait takes at most half the deadline); a probe still running at
+`deadline_s` is cut. The streams are cancelled at the end (their connections shut down, which servers take as a
+cancel).
 """
 import logging
 import math
@@ -44,7 +45,7 @@ class ProbePlan:
     probe_output_len: int = 8
     min_gap_s: float = 0.1  # between one probe's end and the next one's start, uniform in [min, max]
     max_gap_s: float = 0.5
-    settle_timeout_s: float = 60.0  # for all the streams to be decoding
+    settle_timeout_s: float = 60.0  # for all the streams to be decoding (at most half the deadline: probes go out)
     deadline_s: float = 120.0  # for the whole run; a probe still running then is cut
     seed: int = 0
 
@@ -106,9 +107,9 @@ class ProbeResult:
         if done := self.completed:
             reasons.append(f"TTFT of the {len(done)} probe(s) that completed anyway: p50 "
                            f"{percentiles(done)['ttft_p50_ms']:.0f} ms")
-        cut = [p for p in self.probes if p.error.startswith("cut")]
-        if cut:
-            reasons.append(f"a probe was still waiting at the {self.plan.deadline_s:g} s deadline")
+        if cut := [p for p in self.probes if p.error.startswith("cut")]:
+            reasons.append(f"a probe {'with no text ' if cut[0].ttft_ms is None else ''}after "
+                           f"{cut[0].e2e_ms / 1000:.0f} s was cut at the {self.plan.deadline_s:g} s deadline")
         return "; ".join(reasons) or "no probe was sent"
 
 
@@ -152,11 +153,12 @@ def measure(make_target: Callable[[], object], tokenizer, sampling: Sampling, pl
     streams = _Streams(make_target(), stream_specs, sampling)
     streams.start()
     try:
-        settled = streams.wait_all_decoding(min(plan.settle_timeout_s, plan.deadline_s))
+        settle_timeout_s = min(plan.settle_timeout_s, plan.deadline_s / 2)
+        settled = streams.wait_all_decoding(settle_timeout_s)
         settled_s = time.perf_counter() - started if settled else None
         if not settled:
             logger.warning("probe: the streams did not all decode within %.0f s (at most %d of %d at once); "
-                           "probing anyway", plan.settle_timeout_s, streams.peak_decoding, plan.num_streams)
+                           "probing anyway", settle_timeout_s, streams.peak_decoding, plan.num_streams)
         results = _send_probes(make_target(), probe_specs, sampling, plan, started)
     finally:
         streams.stop()

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, serve
-from bench.compare_report import SECTION_BEGIN, SECTION_END, ConfigResult, Plan, ratio_table
+from bench import compare, probe, serve
+from bench.compare_report import SECTION_BEGIN, SECTION_END, ConfigResult, Plan, Report, probe_table, ratio_table
 from bench.peers import SERVED_NAME, ServerConfig, start_server
 from bench.serve_client import (LockstepRest, LockstepWebSocket, OpenAiCompletions, RequestResult, Sampling,
                                 _read_event_stream, _Stopwatch)
 from bench.serve_data import RequestSpec, builtin_requests, load_tokenizer, random_requests
 from bench.serve_metrics import calculate, parse_slos
+from bench.server import free_port
 from bench.sse import iter_event_data, split_lines
 
 from .client import wait_until
@@ -245,6 +246,77 @@ def test_the_openai_client_counts_a_refused_stream(smol_server, tokenizer):
     assert measurement.metrics.e2el is None
 
 
+# -- TTFT of a short prompt beside running streams (bench/probe.py) -------------------------------------------------
+
+def _probe_plan(**changes) -> probe.ProbePlan:
+    # streams far longer than the run (they are cancelled at its end), so every probe runs beside all of them
+    plan = probe.ProbePlan(num_streams=3, stream_output_len=2000, num_probes=3, probe_output_len=4, min_gap_s=0.05,
+                           max_gap_s=0.1, settle_timeout_s=120.0, deadline_s=240.0)
+    return dataclasses.replace(plan, **changes)
+
+
+def test_the_probe_measures_a_short_prompt_beside_running_streams(smol_server, tokenizer):
+    result = probe.measure(lambda: LockstepWebSocket(smol_server.url), tokenizer, Sampling(), _probe_plan())
+    assert result.stream_failures == 0 and result.peak_streams_decoding == 3 and result.settled_s > 0
+    assert 28 <= result.prompt_tokens <= 32  # the built-in probe prompt is ~30 tokens of the model's tokenizer
+    assert len(result.probes) == 3
+    for p in result.probes:
+        assert p.error == "" and 0 < p.ttft_ms <= p.e2e_ms
+    assert result.counted == result.probes and all(p.num_streams_decoding == 3 for p in result.probes)
+    summary = result.summary()
+    assert (summary["counted"], summary["sent"]) == (3, 3)
+    assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p90_ms"] <= summary["ttft_max_ms"]
+    assert "3 of 3 probes" in result.line("lockstep")
+    # the streams are cancelled at the end: the server goes idle instead of decoding 2,000 tokens each
+    wait_until(lambda: smol_server.state.engine.scheduler.num_running == 0, timeout=30, what="the streams cancelled")
+    assert probe.ProbeResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+
+
+def test_probes_without_the_streams_running_are_measured_but_not_counted(smol_server, tokenizer):
+    """Streams that cannot run (fault injected: their client points at a closed port) never decode: the probes
+    still go out, bounded by the settle timeout, and are reported but not counted."""
+    targets = iter([LockstepWebSocket(f"http://127.0.0.1:{free_port()}"), LockstepWebSocket(smol_server.url)])
+    plan = _probe_plan(num_streams=2, num_probes=2, settle_timeout_s=1.0)
+    result = probe.measure(lambda: next(targets), tokenizer, Sampling(), plan)
+    assert result.settled_s is None and result.peak_streams_decoding == 0
+    assert result.stream_failures >= 2 and "ConnectionRefusedError" in result.stream_error
+    assert len(result.completed) == 2 and result.counted == []
+    assert all(p.num_streams_decoding == 0 for p in result.probes)
+    assert result.summary() == {"counted": 0, "sent": 2}
+    assert "at most 0 of 2 streams decoded at once" in result.explain_uncounted()
+    wait_until(lambda: smol_server.state.engine.scheduler.num_running == 0, timeout=30, what="the server idle")
+
+
+def test_bench_serve_runs_the_probe_after_its_sweep(smol_server, tmp_path):
+    out = tmp_path / "serve.json"
+    serve.main(["--url", smol_server.url, "--max-concurrency", "1", "--num-requests", "1", "--output-len", "2",
+                "--probe", "--probe-streams", "2", "--probe-count", "1", "--result-json", str(out), "--no-progress"])
+    record = json.loads(out.read_text())
+    assert record["runs"][0]["metrics"]["completed"] == 1
+    assert record["probe"]["summary"]["sent"] == 1 and record["probe"]["plan"]["num_streams"] == 2
+    assert record["probe"]["probes"][0]["error"] == "" and record["probe"]["probes"][0]["ttft_ms"] > 0
+    wait_until(lambda: smol_server.state.engine.scheduler.num_running == 0, timeout=30, what="the streams cancelled")
+
+
+def _probe_result(ttfts_ms: list[float], num_streams_decoding: int = 8) -> probe.ProbeResult:
+    probes = [probe.Probe(t, t + 100, num_streams_decoding) for t in ttfts_ms]
+    return probe.ProbeResult(probe.ProbePlan(), 30.0, probes, settled_s=1.0 if num_streams_decoding == 8 else None,
+                             peak_streams_decoding=num_streams_decoding)
+
+
+def test_the_probe_table_compares_with_the_best_peer():
+    results = [ConfigResult(ServerConfig("lockstep", "lockstep"), probe=_probe_result([300, 100, 200])),
+               ConfigResult(ServerConfig("A", "vllm-server", is_peer=True), probe=_probe_result([40, 50, 60])),
+               ConfigResult(ServerConfig("B", "llama-cpp", is_peer=True), probe=_probe_result([70000], 1)),
+               ConfigResult(ServerConfig("C", "lockstep"), skipped="not installed: vllm")]
+    header, _, mine, peer, llama = probe_table(results)
+    assert "beside 8 streams" in header and "vs A" in header
+    assert mine == "| lockstep | 3 / 3 | 200 / 280 / 300 | 300 | 8-8 | 4.00x |"
+    assert peer == "| A | 3 / 3 | 50 / 58 / 60 | 150 | 8-8 | - |"
+    assert llama.startswith("| B | 0 / 1 | none counted: at most 1 of 8 streams decoded at once") and "70000 ms" in llama
+    assert probe_table(results[3:]) == []
+
+
 # -- against vLLM's own OpenAI server (`make test` installs vllm; ready in ~35 s when quiet, ~110 s under load) --
 
 @pytest.fixture(scope="module")
@@ -279,7 +351,8 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"# Benchmarks\n\nBefore.\n\n{SECTION_BEGIN}\nan older run\n{SECTION_END}\n\nAfter.\n")
     compare.main(["--configs", "hf", "--concurrency", "1,2", "--output-len", "4", "--lengths", "6",
-                  "--out-dir", str(tmp_path / "out"), "--docs", str(docs), "--no-progress"])
+                  "--probe-streams", "2", "--probe-count", "2", "--out-dir", str(tmp_path / "out"), "--docs", str(docs),
+                  "--no-progress"])
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     hf = report["configs"][0]
     assert hf["name"] == compare.CONFIGS["hf"].name and hf["skipped"] is None and hf["ready_s"] > 0
@@ -293,10 +366,18 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1 and "an older run" not in text
     assert "| lockstep hf (defaults) | 2 |" in text and "![" in text and report["elapsed_s"] > 0
     assert (tmp_path / "bench-serving.png").read_bytes().startswith(b"\x89PNG")
+    assert hf["probe"]["summary"]["sent"] == 2 and hf["probe"]["plan"]["num_streams"] == 2
+    assert "TTFT of a 30-token prompt beside 2 streams" in text and "| lockstep hf (defaults) | 2 / 2 |" in text
     # the same report again from compare.json, without running anything
     rendered = tmp_path / "rendered.md"
     compare.main(["--from-json", str(tmp_path / "out" / "compare.json"), "--docs", str(rendered)])
     assert _section(rendered.read_text()) == _section(text)
+    # an older compare.json, from before the probe, still renders (without its table)
+    del report["plan"]["probe"]
+    for entry in report["configs"]:
+        del entry["probe"]
+    older = Report.from_dict(report).markdown_section("plot.png")
+    assert "| lockstep hf (defaults) | 2 |" in older and "prompt beside" not in older
 
 
 def _section(text: str) -> str:
@@ -335,7 +416,14 @@ def test_python_m_bench_dispatches_to_its_commands_and_modules():
 @pytest.mark.parametrize("bad", [["--request-rate", "nan"], ["--request-rate", "0"], ["--max-concurrency", "0"],
                                  ["--goodput", "ttft:inf"], ["--burstiness", "inf"], ["--range-ratio", "1"],
                                  ["--api", "openai"], ["--deadline", "nan"], ["--max-duration", "-1"],
-                                 ["--temperature", "nan"]])
+                                 ["--temperature", "nan"], ["--probe", "--api", "lockstep-rest"],
+                                 ["--probe", "--probe-streams", "0"], ["--probe", "--probe-count", "-1"]])
 def test_bad_load_settings_are_refused_before_anything_runs(bad):
     run = _bench("serve", *bad)
+    assert run.returncode == 2 and "error:" in run.stderr
+
+
+@pytest.mark.parametrize("bad", [["--probe-streams", "0"], ["--probe-count", "0"], ["--probe-streams", "nan"]])
+def test_bad_probe_settings_of_compare_are_refused(bad):
+    run = _bench("compare", "--configs", "hf", *bad)
     assert run.returncode == 2 and "error:" in run.stderr
