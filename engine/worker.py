@@ -6,9 +6,11 @@ is gone (so a killed server never leaves an orphan holding the model).
 
 The parent runs threads (HTTP requests, the scheduler) and the fork copies only the one
 that forked: whatever lock another thread held at that instant stays held in the child
-forever. The first thing the child does is let go of those it will need (imports).
+forever. The first thing the child does is let go of those it will need (imports, the
+standard streams' buffers).
 """
 import ctypes
+import io
 import logging
 import os
 import queue
@@ -25,10 +27,13 @@ logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
 PR_SET_PDEATHSIG = 1
+# The standard streams the fork copied, kept alive: finalizing one would flush it, and wait on its lost lock.
+_inherited_streams: list = []
 
 
 def run_worker(config, model_path: str, backend_name: str, task_queue, result_queue) -> None:
     parent_pid = os.getppid()
+    own_std_streams()
     forget_imports_of_lost_threads()
     lead_own_process_group()
     close_inherited_sockets()
@@ -60,6 +65,34 @@ def serve_tasks(backend, parent_pid: int, task_queue, result_queue) -> None:
         if isinstance(task, ShutdownTask):
             return
         result_queue.put(handle_task(backend, task))
+
+
+def own_std_streams() -> None:
+    """Give sys.stdout and sys.stderr buffers of our own, on the same files.
+
+    A parent thread caught by the fork inside a write (its log line) holds the buffered writer's lock, which
+    no one here will release: our first log line would wait on it for good. Unbuffered streams
+    (PYTHONUNBUFFERED) have no such lock."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(getattr(stream, "buffer", None), io.BufferedWriter):
+            continue
+        try:
+            fresh = open(stream.fileno(), "w", buffering=1 if stream.line_buffering else -1,  # noqa: SIM115
+                         encoding=stream.encoding, errors=stream.errors, closefd=False)
+        except (OSError, ValueError):  # not a file after all: leave it as it is
+            continue
+        _inherited_streams.append(stream)
+        setattr(sys, name, fresh)
+        _point_log_handlers(stream, fresh)
+
+
+def _point_log_handlers(old, new) -> None:
+    """Log handlers writing to `old` write to `new` instead (setStream would flush `old`: its lock again)."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for handler in (h for log in loggers for h in getattr(log, "handlers", ())):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.stream = new
 
 
 def forget_imports_of_lost_threads() -> None:

@@ -3,12 +3,16 @@
 The fork copies only the forking thread: a lock another thread held then stays held in the child for good. A
 gunicorn worker's first request imports `encodings.idna` (werkzeug) while the scheduler thread forks; vLLM's
 import of `requests` in the child then waited on that import forever (the bench's "never became ready").
-Here a thread is held, for as long as the test needs, in the middle of importing a module the worker imports
-while loading (injected into load_backend, which the fork inherits), so the fork always lands inside it.
+Here a thread is held, for as long as the test needs, in the middle of an import (or of a write to stderr) that
+the worker also does while loading (injected into load_backend, which the fork inherits), so the fork always
+lands inside it.
 """
 import dataclasses
 import importlib
+import io
+import multiprocessing.util
 import os
+import select
 import sys
 import threading
 import types
@@ -87,3 +91,78 @@ def test_locks_of_other_threads_are_found_and_the_forking_threads_are_kept():
     locks = {"lost": Lock(me + 1, 1), "mine": Lock(me, 1), "free": Lock(None, 0)}
     refs = {name: (lambda lock=lock: lock) for name, lock in locks.items()}
     assert worker_module.lost_thread_module_locks(refs, me) == {"lost": locks["lost"]}
+
+
+class HeldStderr:
+    """sys.stderr is a buffered pipe whose buffer lock a thread holds, stuck in write(2) on the full pipe, until
+    `drain()` (called after the fork) starts reading it; `everything_written()` is all that came through."""
+
+    def __init__(self):
+        self.read_fd, write_fd = os.pipe()
+        self.stream = io.TextIOWrapper(io.BufferedWriter(io.FileIO(write_fd, "w")), encoding="utf-8",
+                                       line_buffering=True)
+        self.writer = threading.Thread(target=self.stream.write, args=("x" * 2**20 + "\n",), name="held-writer",
+                                       daemon=True)
+        self.received = bytearray()
+        self.reader = threading.Thread(target=self._read_to_the_end, name="stderr-reader", daemon=True)
+
+    def hold(self) -> None:
+        self.writer.start()
+        while select.select([], [self.stream.fileno()], [], 0)[1]:
+            self.writer.join(0.05)  # it fills the pipe, then blocks in write(2) holding the buffer's lock
+
+    def drain(self) -> None:
+        self.reader.start()
+
+    def everything_written(self) -> bytes:
+        """Once every writer is done (the worker has exited): the writer thread's, then the end of file."""
+        self.writer.join(60)
+        self.stream.close()
+        self.reader.join(60)
+        return bytes(self.received)
+
+    def _read_to_the_end(self) -> None:
+        while chunk := os.read(self.read_fd, 2**16):
+            self.received.extend(chunk)
+        os.close(self.read_fd)
+
+
+@pytest.fixture
+def held_stderr():
+    held = HeldStderr()
+    yield held
+    if held.reader.ident is None:  # the test failed before the fork
+        held.drain()
+    held.everything_written()
+
+
+def test_worker_loads_although_another_thread_was_writing_to_stderr_at_fork(held_stderr, tiny_model_dir,
+                                                                              monkeypatch):
+    monkeypatch.setattr(sys, "stderr", held_stderr.stream)  # here: pytest's capture sets its own per phase
+    # multiprocessing flushes stderr just before the fork, which waits for the writer; the writer taking the lock
+    # again between that flush and the fork is the race: skipping the flush puts the fork right there.
+    monkeypatch.setattr(multiprocessing.util, "_flush_std_streams", lambda: None)
+    held_stderr.hold()
+    real_load_backend = worker_module.load_backend
+
+    def load_writing_to_stderr(config, model_path, backend_name):
+        print("model worker writes to stderr", file=sys.stderr, flush=True)  # as a log handler on stderr does
+        return real_load_backend(config, model_path, backend_name)
+
+    monkeypatch.setattr(worker_module, "load_backend", load_writing_to_stderr)  # inherited by the fork
+    config = EngineConfig(model=tiny_model_dir, dtype="float32", threads=1, load_timeout_s=LOAD_BOUND_S)
+    executor = ModelExecutor(config, tiny_model_dir, "hf")
+    fork_worker = executor._fork_worker
+
+    def fork_then_drain():
+        process = fork_worker()
+        held_stderr.drain()  # the fork landed inside the write: now let every writer go on
+        return process
+
+    monkeypatch.setattr(executor, "_fork_worker", fork_then_drain)
+    try:
+        executor.start()
+        assert executor.echo("still answering") == "still answering"
+    finally:
+        executor.shutdown()
+    assert b"model worker writes to stderr\n" in held_stderr.everything_written()
