@@ -72,8 +72,8 @@ def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_
         if plan.probe is not None:
             result.probe = probe.measure_config(config, server.url, tokenizer, plan.probe)
     except RuntimeError as exc:  # it did not start: the others still run
-        result.skipped = f"failed to start: {str(exc)[:300]}"
-        logger.error("%s: %s", config.name, result.skipped)
+        result.skipped = f"failed to start: {str(exc).splitlines()[0][:300]}"  # the report's row: one line
+        logger.error("%s: failed to start: %s", config.name, exc)
     finally:
         server.stop()
     return result

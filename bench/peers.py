@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 SERVED_NAME = "smollm2"
 READY_POLL_S = 0.5
 STOP_WAIT_S = 40
+# Below compare's READY_TIMEOUT_S (300 s): a model load that hangs is ended, and said so in the server's log, by
+# lockstep's own executor before the benchmark gives up on the server.
+LOCKSTEP_LOAD_TIMEOUT_S = 240
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ def start_server(config: ServerConfig, model_dir: str, log_dir: Path):
     port = free_port()
     log_path = log_dir / f"{config.name.replace(' ', '_').replace('/', '_')}.log"
     if config.kind == "lockstep":
-        return start_gunicorn(log_path, dict(config.settings), port)
+        return start_gunicorn(log_path, {"LOCKSTEP_LOAD_TIMEOUT_S": str(LOCKSTEP_LOAD_TIMEOUT_S),
+                                         **dict(config.settings)}, port)
     if config.kind == "vllm-server":
         return ProcessServer(vllm_command(model_dir, port), port, log_path, vllm_environment(model_dir))
     if config.kind == "llama-cpp":

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 FORK_LINE = re.compile(r"forked model worker (\d+)")
 RESTART_METRIC = re.compile(r"^lockstep:worker_restarts_total ([0-9.e+]+)$", re.MULTILINE)
 READY_TIMEOUT_S = 240
+READY_POLL = "GET /ready"  # the access and request log lines of our own start-up polls
 PID_WATCH_INTERVAL_S = 0.5
 
 
@@ -173,7 +174,27 @@ class ServerUnderTest:
             if http_status(self.url + "/ready") == 200:
                 return
             self._watch_stop.wait(0.5)  # a start-up poll: nothing to block on but the port
-        raise RuntimeError(f"the server at {self.url} never became ready:\n{self.log_tail()}")
+        raise RuntimeError(f"the server at {self.url} never became ready within {timeout:.0f} s "
+                           f"({self.describe_model_worker()}); its log without the readiness polls:\n"
+                           f"{self.log_tail_without_polls()}")
+
+    def describe_model_worker(self) -> str:
+        """Whether the model worker is stuck or slow: its state and the CPU it used (a hung load uses none)."""
+        pid = self.model_worker_pid()
+        if pid is None:
+            return "no model worker process"
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                cpu_s, age_s, status = sum(process.cpu_times()[:2]), time.time() - process.create_time(), \
+                    process.status()
+        except psutil.Error:
+            return f"model worker {pid} gone"
+        return f"model worker {pid} {status}, {cpu_s:.1f} s of CPU in its {age_s:.0f} s"
+
+    def log_tail_without_polls(self, chars: int = 4000) -> str:
+        lines = self.log_tail(10**6).splitlines()
+        return "\n".join(line for line in lines if READY_POLL not in line)[-chars:]
 
     def stop(self) -> None:
         """SIGTERM the whole process group we started (master, worker, model worker), then SIGKILL."""

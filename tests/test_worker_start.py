@@ -20,6 +20,7 @@ import uuid
 
 import pytest
 
+from bench.server import ServerUnderTest, free_port
 from engine import EngineConfig
 from engine import worker as worker_module
 from engine.executor import ModelExecutor
@@ -166,3 +167,21 @@ def test_worker_loads_although_another_thread_was_writing_to_stderr_at_fork(held
     finally:
         executor.shutdown()
     assert b"model worker writes to stderr\n" in held_stderr.everything_written()
+
+
+def test_the_bench_says_what_a_server_that_never_became_ready_was_doing(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("INFO engine.executor: forked model worker 4242 for the model\n"
+                   + '127.0.0.1 [30/Nov/2026:10:25:16 +0000] "GET /ready HTTP/1.1" 503 76 25353us\n' * 500
+                   + "ERROR engine.engine: model worker failed to start: the model worker did not answer within "
+                     "240 s while loading the model\n")
+    server = ServerUnderTest(f"http://127.0.0.1:{free_port()}", log)  # nothing listens there: never ready
+
+    with pytest.raises(RuntimeError) as raised:
+        server.wait_ready(timeout=1)
+    first_line, *log_lines = str(raised.value).splitlines()
+    assert first_line.startswith(f"the server at {server.url} never became ready within 1 s (no model worker")
+    assert "GET /ready" not in str(raised.value)
+    assert log_lines[-2:] == ["INFO engine.executor: forked model worker 4242 for the model",
+                              "ERROR engine.engine: model worker failed to start: the model worker did not answer "
+                              "within 240 s while loading the model"]
