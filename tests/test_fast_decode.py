@@ -84,6 +84,34 @@ def test_the_fast_step_gives_the_models_logits_and_cache_bit_for_bit(which, smol
     batches.step(min_rows=1)
 
 
+@pytest.mark.parametrize("which", ["smollm2", "tiny-llama"])
+@torch.inference_mode()
+def test_a_prompt_fed_in_chunks_gets_the_models_logits_and_cache_bit_for_bit(which, smol_model_dir, tiny_model_dir):
+    model_dir = smol_model_dir if which == "smollm2" else tiny_model_dir
+    reference, fast_model = load(model_dir, torch.bfloat16), load(model_dir, torch.bfloat16)
+    fast = FastDecoder(fast_model)
+    token_ids = prompt(300, 3)
+    reference_cache, fast_cache = DynamicCache(), DynamicCache()
+    for start, end in ((0, 23), (23, 40), (40, 41), (41, 300)):
+        expected = reference(input_ids=torch.tensor([token_ids[start:end]]),
+                             position_ids=torch.arange(start, end)[None], attention_mask=torch.ones(1, end),
+                             past_key_values=reference_cache, use_cache=True).logits[0]
+        got = fast.prefill(torch.tensor(token_ids[start:end]), start, fast_cache, all_positions=True)
+        assert torch.equal(got, expected)
+        alone = DynamicCache() if start == 0 else _copy(reference_cache, start)
+        assert torch.equal(fast.prefill(torch.tensor(token_ids[start:end]), start, alone), expected[-1])
+        for mine, theirs in zip(fast_cache.layers, reference_cache.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def _copy(cache: DynamicCache, length: int) -> DynamicCache:
+    """The first `length` positions of `cache`, as a new cache."""
+    copied = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        copied.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), index)
+    return copied
+
+
 @torch.inference_mode()
 def test_the_model_reads_the_fused_weights_it_was_given(tiny_model_dir):
     """Fusing makes q/k/v and gate/up views of one weight: the model's forward (prefill) must compute what it did."""

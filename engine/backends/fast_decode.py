@@ -1,19 +1,23 @@
-"""A lean decode step for Llama-shaped models: the same arithmetic as transformers' forward, with less around it.
+"""The transformers backend's forward for Llama-shaped models, decode steps and prompt chunks: the same arithmetic
+as transformers' forward, bit for bit, with less around it (tests/test_fast_decode.py).
 
-At one to sixteen rows a decode step on CPU is dominated by work per operator, not by arithmetic: transformers'
-modules, hooks, mask and cache interfaces cost about as much again as the matmuls (bench/decode_profile.py), and
-oneDNN pays a fixed price per matmul call, so seven small matmuls per layer cost about twice three larger ones
-(measured: 31 vs 15 ms for one row through every layer in bfloat16). This step therefore:
-- fuses the q/k/v projections into one matmul and gate/up into another. The fused weights are the storage: the
-  model's own q/k/v and gate/up weights become views of them, so prefill (which still runs the model's forward)
-  reads the same numbers and no memory is added;
-- runs each layer as a flat sequence of tensor ops on the slot KV cache (kv_cache.py): keys and values written in
-  place, attention as two grouped matmuls, the mask built once per step by the cache.
-Every op other than the fusion is the one transformers runs, in the same order and dtypes (RMSNorm in float32,
-rotary embedding from the model's own rotary module, softmax in float32), so a row's result does not depend on
-the other rows: batch invariance holds as for the model's forward (tests/test_batch_invariance.py).
+On one CPU core a decode step is bound by reading the weights, and oneDNN reads bfloat16 weights in their plain
+layout at about a third of the memory bandwidth. Measured (every layer's weights, 212 MB, one thread): plain
+matmuls 28 ms at 1 row and 51 ms at 16 rows; weights reordered once into oneDNN's blocked layout 18 and 26 ms;
+the bandwidth limit is about 9 ms. So this forward:
+- fuses the q/k/v projections into one matmul and gate/up into another (210 matmul calls a step become 120).
+  The fused weights are the storage: the model's own q/k/v and gate/up weights become views of them, so its
+  forward (kept for other models and the fallbacks) reads the same numbers and no memory is added;
+- keeps a oneDNN-reordered copy of every weight (`Linear`; about 270 MB more), used only where it gives the
+  plain matmul's numbers bit for bit;
+- runs each layer as a flat sequence of tensor ops: decode steps on the slot KV cache (kv_cache.py: keys and
+  values written in place, attention as two grouped matmuls, the mask built once per step), prompt chunks on
+  the prompt's own DynamicCache with transformers' SDPA attention and the model's own masks.
+Every other op is the one transformers runs, in the same order and dtypes (RMSNorm in float32, the model's own
+rotary module, softmax in float32), so a row's result does not depend on the other rows: batch invariance holds
+as for the model's forward (tests/test_batch_invariance.py).
 
-Used where the matmuls can be reordered: bfloat16 on CPU (in float32, MKL computes one row differently from
+Used where the weights can be reordered: bfloat16 on CPU (in float32, MKL computes one row differently from
 several, and a fused weight differently from its parts, so fusing would change the numbers there). Models this
 does not understand (biases, other activations or norms, no rotary module) keep the model's forward too.
 """
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache
 
@@ -61,7 +67,7 @@ class Linear:
 
 
 class FastDecoder:
-    """`decode(token_ids, cache)` returns every row's next-token logits [B, V] in float32-free model dtype."""
+    """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
     def __init__(self, model: nn.Module):
         config = model.config
@@ -75,6 +81,8 @@ class FastDecoder:
         self.final_norm, self.final_norm_eps = _norm(decoder.norm)
         self.lm_head = Linear(model.lm_head.weight)
         self.layers = [_fuse_layer(layer) for layer in decoder.layers]
+        # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
+        self.attention_modules = [layer.self_attn for layer in decoder.layers]
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -96,6 +104,43 @@ class FastDecoder:
         hidden = _rms_norm(hidden, self.final_norm, self.final_norm_eps)
         return self.lm_head(hidden)
 
+    def prefill(self, token_ids: torch.Tensor, start: int, cache: DynamicCache,
+                all_positions: bool = False) -> torch.Tensor:
+        """One chunk of one prompt, tokens `start`.. of it ([C] ids), into its own cache. Returns the last
+        position's logits [V], or with `all_positions` every position's [C, V]."""
+        hidden = self.embed[token_ids]  # [C, hidden]
+        positions = torch.arange(start, start + len(token_ids), device=token_ids.device)
+        cos, sin = self.rotary(hidden, positions[None])  # [1, C, head_dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [C, 1, head_dim]: broadcast over heads
+        # The model's own mask: none from the start of a prompt (SDPA's causal kernel), else each chunk token
+        # sees the cached prompt and the chunk up to itself.
+        visible = None if start == 0 else \
+            (torch.arange(start + len(token_ids), device=token_ids.device) <= positions[:, None])[None, None]
+        for index, (layer, attention_module) in enumerate(zip(self.layers, self.attention_modules)):
+            hidden = self._prefill_layer(hidden, layer, attention_module, cos, sin, visible, cache, index)
+        if not all_positions:
+            hidden = hidden[-1:]
+        logits = self.lm_head(_rms_norm(hidden, self.final_norm, self.final_norm_eps))
+        return logits if all_positions else logits[0]
+
+    def _prefill_layer(self, hidden, layer: _Layer, attention_module, cos, sin, visible, cache, index: int):
+        length = hidden.shape[0]
+        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
+        heads = layer.qkv(normed).view(length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        query = rotated[:, :self.num_heads].transpose(0, 1)[None]  # [1, heads, C, head_dim]
+        key = rotated[:, self.num_heads:].transpose(0, 1)[None]
+        value = heads[:, self.num_heads + self.num_kv_heads:].transpose(0, 1)[None]
+        keys, values = cache.update(key, value, index)
+        if length == 1:  # one query token: the decode attention, as the model's forward (kv_cache.slot_attention)
+            attended = self._attention(query[0].transpose(0, 1), keys, values, None)
+        else:
+            attended, _ = sdpa_attention_forward(attention_module, query, keys, values, visible, scaling=self.scaling)
+        hidden = hidden + layer.out(attended.reshape(length, self.num_heads * self.head_dim))
+        normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
+        gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+        return hidden + layer.down(torch.nn.functional.silu(gate) * up)
+
     def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, cache: SlotKVCache, index: int):
         batch = hidden.shape[0]
         normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
@@ -115,7 +160,8 @@ class FastDecoder:
         batch = query.shape[0]
         grouped = query.reshape(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         scores = torch.matmul(grouped, keys.transpose(2, 3)) * self.scaling  # [B, kv_heads, group, capacity]
-        scores = scores + attention_mask
+        if attention_mask is not None:
+            scores = scores + attention_mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         return torch.matmul(weights, values).view(batch, self.num_heads * self.head_dim)
 

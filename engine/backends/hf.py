@@ -104,6 +104,7 @@ class HFBackend(Backend):
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
         self.joining: list[tuple[Prefill, list[Row]]] = []  # prompts done this step; their rows join after decode
+        self.skipped_decode = False  # the last step returned first tokens without decoding the rows
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
@@ -121,12 +122,17 @@ class HFBackend(Backend):
         self._free(set(finished_ids))
         for request in new_requests:
             self._queue_prefill(request, output.failed)
-        # Prompts first: a short prompt's first token does not wait for the streams' decode (TTFT beside 8
-        # streams: one decode forward less). Its rows join after the decode, which therefore runs on the same
-        # rows, shapes and slots as it would have without the prompt.
-        output.new_token_ids.update(self._prefill_chunks(output))
-        if self.rows:
+        # Prompts first, and a step whose prompts produced first tokens returns them without decoding the streams
+        # (unless the step before skipped already, so streams never wait two steps): a short prompt's first token
+        # waits for its own prefill only, not for a decode of every stream too (TTFT beside 8 streams), and the
+        # streams lose one round-trip. New rows join after any decode, which therefore runs on the same rows,
+        # shapes and slots as it would have without the prompt.
+        first_token_ids = self._prefill_chunks(output)
+        output.new_token_ids.update(first_token_ids)
+        skip_decode = bool(first_token_ids) and not self.skipped_decode
+        if self.rows and not skip_decode:
             output.new_token_ids.update(self._decode(output))
+        self.skipped_decode = bool(self.rows) and skip_decode
         for prefill, rows in self.joining:
             self._join_batch(prefill, rows)
         self.joining.clear()
@@ -253,7 +259,10 @@ class HFBackend(Backend):
         attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
         started = time.perf_counter()
         echo = prefill.prompt_logprobs is not None
-        logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache, all_positions=echo)
+        if self.fast_decoder is not None:
+            logits = self.fast_decoder.prefill(input_ids[0], start, prefill.cache, all_positions=echo)[None]
+        else:
+            logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache, all_positions=echo)
         elapsed = time.perf_counter() - started
         self._record_chunk_cost(elapsed, _cost_units(start, num_tokens))
         logger.debug("prefill %s: tokens %d-%d in %.3f s", prefill.request.request_id, start, end, elapsed)
@@ -323,7 +332,7 @@ def _greedy_tokens(rows: list[Row], logits: torch.Tensor) -> torch.Tensor | None
     of the same values; one call instead of a float copy and an argmax per row)."""
     if not any(row.sampler.is_plain_greedy for row in rows):
         return None
-    return logits[:len(rows)].argmax(dim=-1)
+    return logits[:len(rows)].float().argmax(dim=-1)  # bfloat16's argmax is 3x slower than the copy and float's
 
 
 def _to_host(tokens: list[torch.Tensor]) -> list[int]:
