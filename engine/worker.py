@@ -112,7 +112,8 @@ def forget_imports_of_lost_threads() -> None:
         module = sys.modules.get(name)
         if getattr(getattr(module, "__spec__", None), "_initializing", False):
             del sys.modules[name]
-        logger.warning("forgot the import of %s that thread %s of the parent had not finished", name, lock.owner)
+        # Often the gunicorn worker's main thread still importing wsgi (harmless here); once, encodings.idna.
+        logger.info("forgot the import of %s that thread %s of the parent had not finished", name, lock.owner)
     blocking_on = getattr(import_machinery, "_blocking_on", {})
     for thread_id in [thread_id for thread_id in list(blocking_on) if thread_id != me]:
         blocking_on.pop(thread_id, None)  # a lost thread waiting on a lock would confuse deadlock detection
