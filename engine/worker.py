@@ -112,11 +112,12 @@ def forget_imports_of_lost_threads() -> None:
         module = sys.modules.get(name)
         if getattr(getattr(module, "__spec__", None), "_initializing", False):
             del sys.modules[name]
-        # Often the gunicorn worker's main thread still importing wsgi (harmless here); once, encodings.idna.
+        # Often the gunicorn worker's main thread importing wsgi (harmless here); at times encodings.idna (vLLM's hang).
         logger.info("forgot the import of %s that thread %s of the parent had not finished", name, lock.owner)
-    blocking_on = getattr(import_machinery, "_blocking_on", {})
-    for thread_id in [thread_id for thread_id in list(blocking_on) if thread_id != me]:
-        blocking_on.pop(thread_id, None)  # a lost thread waiting on a lock would confuse deadlock detection
+    blocking_on = getattr(import_machinery, "_blocking_on", None)
+    if type(blocking_on) is dict:  # CPython 3.10/3.11; later ones keep a structure of their own here
+        for thread_id in [thread_id for thread_id in blocking_on if thread_id != me]:
+            del blocking_on[thread_id]  # a lost thread waiting on a lock would confuse deadlock detection
 
 
 def lost_thread_module_locks(module_locks: dict, me: int) -> dict:
