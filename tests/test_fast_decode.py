@@ -1,13 +1,17 @@
 """The lean decode step (engine/backends/fast_decode.py) against the model's own forward over the same slot cache:
 the same logits and the same cached keys and values, bit for bit, in bfloat16 (the embedded SmolLM2, oneDNN's
-reordered weights, and a tiny random Llama), as rows join, decode and leave."""
+reordered weights, and a tiny random Llama), as rows join, decode and leave; prompt chunks likewise; and the
+backend's step that returns a finished prompt's first token before the streams decode."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from engine.backends import fast_decode
 from engine.backends.fast_decode import FastDecoder, Linear
+from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
+from engine.config import EngineConfig
+from engine.messages import NewRequest, WorkerSampling
 
 
 def load(model_dir: str, dtype: torch.dtype):
@@ -161,3 +165,22 @@ def test_models_it_does_not_understand_keep_their_own_forward():
     assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, attention_bias=True)).to(torch.bfloat16))
     assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, hidden_act="gelu")).to(torch.bfloat16))
     assert fast_decode.SUPPORTED_MODEL_TYPES >= {"llama"}
+
+
+@torch.inference_mode()
+def test_a_finished_prompt_returns_its_first_token_before_the_streams_decode(smol_model_dir):
+    """TTFT beside streams: the step that finishes a prompt returns its first token without a decode of the running
+    rows; the next step decodes everyone; two such steps in a row never leave the streams waiting twice."""
+    backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1), smol_model_dir)
+    assert backend.fast_decoder is not None
+
+    def request(name: str, salt: int) -> NewRequest:
+        return NewRequest(name, tuple(prompt(12, salt)), WorkerSampling(max_tokens=50))
+
+    assert set(backend.step((request("a", 1), request("b", 2)), ()).new_token_ids) == {"a", "b"}
+    assert set(backend.step((), ()).new_token_ids) == {"a", "b"}
+    assert set(backend.step((request("c", 3),), ()).new_token_ids) == {"c"}  # the streams wait one round-trip
+    assert set(backend.step((request("d", 4),), ()).new_token_ids) == {"a", "b", "c", "d"}  # never twice
+    assert set(backend.step((request("e", 5),), ()).new_token_ids) == {"e"}
+    assert set(backend.step((), ()).new_token_ids) == {"a", "b", "c", "d", "e"}
+    backend.close()
