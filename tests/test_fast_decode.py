@@ -184,3 +184,24 @@ def test_a_finished_prompt_returns_its_first_token_before_the_streams_decode(smo
     assert set(backend.step((request("e", 5),), ()).new_token_ids) == {"e"}
     assert set(backend.step((), ()).new_token_ids) == {"a", "b", "c", "d", "e"}
     backend.close()
+
+
+@torch.inference_mode()
+def test_the_backend_gives_the_same_tokens_with_the_models_own_forward(smol_model_dir):
+    """LOCKSTEP_FAST_DECODE=false: the model's forward decodes; every greedy token is the same."""
+    requests = tuple(NewRequest(f"r{i}", tuple(prompt(8 + 9 * i, i)), WorkerSampling(max_tokens=20)) for i in range(3))
+
+    def tokens(fast_decode: bool) -> dict[str, list[int]]:
+        config = EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1, fast_decode=fast_decode)
+        backend = HFBackend(config, smol_model_dir)
+        assert (backend.fast_decoder is not None) == fast_decode
+        got: dict[str, list[int]] = {}
+        for step in range(22):
+            for request_id, token_ids in backend.step(requests if step == 0 else (), ()).new_token_ids.items():
+                got.setdefault(request_id, []).extend(token_ids)
+        backend.close()
+        return got
+
+    fast = tokens(True)
+    assert all(len(fast[r.request_id]) >= 20 for r in requests)  # the parent, not the backend, ends a request
+    assert fast == tokens(False)
