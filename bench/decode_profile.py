@@ -3,11 +3,13 @@
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
 
 Three tables, in one process so the ratios compare even on a busy machine:
-1. ms per decode step and tokens/s, batch 1 / 8 / 16 at contexts 64 / 256 / 1,024: the backend's
-   slot KV cache against the design it replaced (a DynamicCache concatenated every step, rows
-   left-padded to the longest, a 2-D mask grown by a column per step, SDPA attention);
-2. one slot-cache step (batch 8, context 256) split by operator class with torch.profiler: the
-   weight matmuls, attention, cache writes, other tensor ops, and the rest (Python, dispatch);
+1. ms per decode step and tokens/s, batch 1 / 8 / 16 at contexts 64 / 256 / 1,024: the design the
+   backend started from (a DynamicCache concatenated every step, rows left-padded to the longest, a
+   2-D mask grown by a column per step, SDPA attention), the slot KV cache through the model's
+   forward, and the slot KV cache through the fast forward (engine/backends/fast_decode.py, the
+   default for this model);
+2. one fast step (batch 8, context 256) split by operator class with torch.profiler: the weight
+   matmuls, attention, cache writes, other tensor ops, and the rest (Python, dispatch);
 3. the per-token costs outside the forward: the sampler per row, the worker round-trip (a
    forked worker's echo), the parent's incremental detokenizer.
 Times are wall-clock medians with the process CPU time beside them: when the CPU time is much
@@ -22,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from engine import EngineConfig
+from engine.backends.fast_decode import FastDecoder
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.backends.sampler import TokenSampler
 from engine.detokenizer import IncrementalDetokenizer
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 BATCHES = (1, 8, 16)
 CONTEXTS = (64, 256, 1024)
-MATMULS = {"aten::mm", "aten::addmm"}
+MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
 ATTENTION = {"aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_attention_math"}
 CACHE = {"aten::cat", "aten::_index_put_impl_", "aten::index_put_"}
@@ -51,8 +54,9 @@ def timed(step, num_steps: int) -> tuple[float, float]:
     return statistics.median(walls) * 1e3, (time.process_time() - cpu_started) / num_steps * 1e3
 
 
-def slot_stepper(model, batch: int, context: int):
-    """A decode step as the backend runs it: rows in slots, keys and values written in place."""
+def slot_stepper(model, batch: int, context: int, fast: FastDecoder | None = None):
+    """A decode step over rows in slots, keys and values written in place: through the model's forward, or
+    through `fast` (the backend's default for this model)."""
     config = model.config
     cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads,
                         config.hidden_size // config.num_attention_heads, model.dtype, torch.device("cpu"))
@@ -65,8 +69,11 @@ def slot_stepper(model, batch: int, context: int):
 
     def step():
         position_ids, mask = cache.prepare_decode(min_rows=2)
-        model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
+        if fast is not None:
+            fast.decode(tokens, position_ids, mask, cache)
+        else:
+            model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
         cache.finish_decode()
         if max(cache.lengths) > context + 64:  # stay near the context being measured
             cache.lengths = [context] * batch
@@ -95,9 +102,10 @@ def padded_stepper(model, batch: int, context: int):
     return step
 
 
-def step_table(model, num_steps: int, skip_before: bool) -> list[str]:
-    lines = ["| batch | context | before: ms/step (CPU ms) | tok/s | slots: ms/step (CPU ms) | tok/s | speed-up |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+def step_table(model, fast: FastDecoder, num_steps: int, skip_before: bool) -> list[str]:
+    lines = ["| batch | context | before: ms/step (CPU ms) | tok/s | slots, model's forward: ms/step (CPU ms) "
+             "| tok/s | slots, fast forward: ms/step (CPU ms) | tok/s | fast vs before | fast vs model's forward |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for batch in BATCHES:
         for context in CONTEXTS:
             before = (float("nan"), float("nan"))
@@ -105,24 +113,26 @@ def step_table(model, num_steps: int, skip_before: bool) -> list[str]:
                 model.set_attn_implementation("sdpa")
                 before = timed(padded_stepper(model, batch, context), num_steps)
             use_slot_attention(model)
-            after = timed(slot_stepper(model, batch, context), num_steps)
+            slots = timed(slot_stepper(model, batch, context), num_steps)
+            fastest = timed(slot_stepper(model, batch, context, fast), num_steps)
             lines.append(f"| {batch} | {context} | {before[0]:.1f} ({before[1]:.1f}) | {batch / before[0] * 1e3:.0f} "
-                         f"| {after[0]:.1f} ({after[1]:.1f}) | {batch / after[0] * 1e3:.0f} "
-                         f"| {before[0] / after[0]:.2f}x |")
+                         f"| {slots[0]:.1f} ({slots[1]:.1f}) | {batch / slots[0] * 1e3:.0f} "
+                         f"| {fastest[0]:.1f} ({fastest[1]:.1f}) | {batch / fastest[0] * 1e3:.0f} "
+                         f"| {before[0] / fastest[0]:.2f}x | {slots[0] / fastest[0]:.2f}x |")
             logger.info(lines[-1])
     return lines
 
 
-def breakdown_table(model, num_steps: int) -> list[str]:
+def breakdown_table(model, fast: FastDecoder, num_steps: int) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     use_slot_attention(model)
-    step = slot_stepper(model, 8, 256)
+    step = slot_stepper(model, 8, 256, fast)
     wall, _ = timed(step, num_steps)
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         for _ in range(num_steps):
             step()
-    classes = {"weight matmuls (7 per layer + lm_head)": 0.0, "attention (2 matmuls + softmax per layer)": 0.0,
+    classes = {"weight matmuls (4 fused per layer + lm_head)": 0.0, "attention (2 matmuls + softmax per layer)": 0.0,
                "KV cache writes": 0.0, "other tensor ops (norms, RoPE, SiLU, adds, casts)": 0.0}
     names = list(classes)
     for event in profiler.key_averages():
@@ -130,7 +140,7 @@ def breakdown_table(model, num_steps: int) -> list[str]:
                else names[2] if event.key in CACHE else names[3])
         classes[key] += event.self_cpu_time_total / 1e3 / num_steps
     profiled_ops = sum(classes.values())
-    lines = [f"Batch 8, context 256: {wall:.1f} ms per step unprofiled.", "",
+    lines = [f"The fast forward, batch 8, context 256: {wall:.1f} ms per step unprofiled.", "",
              "| part | ms per step | share |", "|---|---:|---:|"]
     for name, ms in classes.items():
         lines.append(f"| {name} | {ms * wall / max(profiled_ops, wall):.1f} | {ms / max(profiled_ops, wall):.0%} |")
@@ -181,8 +191,9 @@ def main() -> None:
     with torch.inference_mode():
         side = side_costs(model_path, model, args.dtype)
         torch.set_num_threads(args.threads)
-        steps = step_table(model, args.steps, args.skip_before)
-        breakdown = breakdown_table(model, args.steps)
+        fast = FastDecoder(model)  # fuses the model's projections (views: its forward computes the same)
+        steps = step_table(model, fast, args.steps, args.skip_before)
+        breakdown = breakdown_table(model, fast, args.steps)
     print(f"\n{args.dtype}, {args.threads} torch thread(s)\n")
     print("\n".join(steps + [""] + breakdown + [""] + side))
 
