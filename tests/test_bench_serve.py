@@ -400,6 +400,17 @@ def test_ratios_are_against_the_best_peer_of_the_same_run():
     assert rows == ["| lockstep | 1 | B | **0.50x** | 5.00x |", "| lockstep | 8 | A | **0.50x** | 1.50x |"]
 
 
+def test_a_run_is_called_shared_only_if_the_machine_was_busy_before_it_started():
+    """A server's own start and the previous server's run raise the 1-minute load; only the load before the run
+    says whether other work shared the machine."""
+    plan = Plan((1,), 128, (), 60.0, 120.0)
+    after_a_busy_server = [ConfigResult(ServerConfig("A", "vllm-server", is_peer=True), load_average=3.3)]
+    quiet = Report(plan, after_a_busy_server, {"load_average_at_start": 0.9, "cores": 2}, 1.0)
+    busy = Report(plan, after_a_busy_server, {"load_average_at_start": 1.6, "cores": 2}, 1.0)
+    assert not quiet.is_busy() and quiet._busy_warning() == []
+    assert busy.is_busy() and "load average 1.6 on 2 cores when it started" in busy._busy_warning()[0]
+
+
 # -- the command line ----------------------------------------------------------------------------------------------
 
 def _bench(*args: str) -> subprocess.CompletedProcess:

@@ -38,18 +38,6 @@ PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows
 PROBE_ROWS = 33
 
 
-@dataclass(frozen=True)
-class _Layer:
-    input_norm: torch.Tensor  # [hidden]
-    input_norm_eps: float
-    qkv: "Linear"  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    out: "Linear"  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor
-    post_norm_eps: float
-    gate_up: "Linear"  # [2 * intermediate, hidden]
-    down: "Linear"  # [hidden, intermediate]
-
-
 class Linear:
     """`x @ weight.T`, with the weight reordered once into oneDNN's blocked layout where that computes the same
     numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call (measured, one thread,
@@ -64,6 +52,18 @@ class Linear:
         if self.packed is None:
             return torch.nn.functional.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    input_norm_eps: float
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    out: Linear  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor
+    post_norm_eps: float
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
 
 
 class FastDecoder:
@@ -125,31 +125,31 @@ class FastDecoder:
 
     def _prefill_layer(self, hidden, layer: _Layer, attention_module, cos, sin, visible, cache, index: int):
         length = hidden.shape[0]
-        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
-        heads = layer.qkv(normed).view(length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)
-        query = rotated[:, :self.num_heads].transpose(0, 1)[None]  # [1, heads, C, head_dim]
-        key = rotated[:, self.num_heads:].transpose(0, 1)[None]
-        value = heads[:, self.num_heads + self.num_kv_heads:].transpose(0, 1)[None]
-        keys, values = cache.update(key, value, index)
+        query, key, value = self._project(hidden, layer, cos, sin)
+        keys, values = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], index)  # [1, kv, C, D]
         if length == 1:  # one query token: the decode attention, as the model's forward (kv_cache.slot_attention)
-            attended = self._attention(query[0].transpose(0, 1), keys, values, None)
+            attended = self._attention(query, keys, values, None)
         else:
-            attended, _ = sdpa_attention_forward(attention_module, query, keys, values, visible, scaling=self.scaling)
-        hidden = hidden + layer.out(attended.reshape(length, self.num_heads * self.head_dim))
-        normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
-        gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-        return hidden + layer.down(torch.nn.functional.silu(gate) * up)
+            attended, _ = sdpa_attention_forward(attention_module, query.transpose(0, 1)[None], keys, values, visible,
+                                                 scaling=self.scaling)
+        return self._feed_forward(hidden, attended.reshape(length, self.num_heads * self.head_dim), layer)
 
     def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, cache: SlotKVCache, index: int):
-        batch = hidden.shape[0]
-        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
-        heads = layer.qkv(normed).view(batch, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
-        query, key = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
-        value = heads[:, self.num_heads + self.num_kv_heads:]
+        query, key, value = self._project(hidden, layer, cos, sin)
         keys, values = cache.update(key.unsqueeze(2), value.unsqueeze(2), index)
-        attended = self._attention(query, keys, values, attention_mask)
+        return self._feed_forward(hidden, self._attention(query, keys, values, attention_mask), layer)
+
+    def _project(self, hidden, layer: _Layer, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [N, heads, head_dim], keys and values [N, kv_heads, head_dim] of N tokens, rotated (cos/sin:
+        [N, 1, head_dim])."""
+        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
+        heads = layer.qkv(normed).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
+        return rotated[:, :self.num_heads], rotated[:, self.num_heads:], heads[:, self.num_heads + self.num_kv_heads:]
+
+    @staticmethod
+    def _feed_forward(hidden, attended, layer: _Layer) -> torch.Tensor:
+        """The rest of the layer after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         hidden = hidden + layer.out(attended)
         normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)
