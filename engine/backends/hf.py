@@ -6,12 +6,17 @@ once per step, so nothing is concatenated or re-padded per step and a row's cost
 grow with the batch's history. Each row carries its own position ids, so a short prompt
 batched with a long one computes exactly what it would alone. A step frees finished rows,
 spends a bounded budget on chunked prefill, decodes one token for every decoding row (one
-forward), and then lets the prompts finished in this step join: each new request is prefilled
+forward; skipped once when a prompt just produced its first token, which then goes out at once),
+and then lets the prompts finished in this step join: each new request is prefilled
 alone into a cache of its own, a chunk per forward, and joins the batch (its cache copied into
 a slot) after its first token; the prompt with the fewest tokens left goes first. A token late in a long
 prompt attends to everything before it and costs many times one early on (on CPU, about
 1 + context/500 times), so chunks shrink as the context grows and a 7,500-token prompt
 costs every running stream a bounded gap per step, not one long stall.
+
+Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU run through
+fast_decode.py's forward (`fast_decode`, on by default): the model's numbers, bit for bit, in
+about two thirds of the time; other models run the model's own forward.
 
 Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones
 it gets alone, bit for bit, whatever else runs. Its prompt chunks are planned from its own
