@@ -28,9 +28,11 @@ from .serve_data import RequestSpec, builtin_requests, count_tokens
 logger = logging.getLogger(__name__)
 
 # ~30 tokens of SmolLM2's tokenizer (30-31 with the number); the number comes first so that no two probes share a
-# cached prefix block on a server with prefix caching (vLLM).
-PROBE_PROMPT = ("Question {n}: in two sentences, why does a cup of hot tea cool down faster when you blow across its "
-                "surface than when it sits still?")
+# cached prefix block on a server with prefix caching (vLLM). A sentence to continue, not a question: after a question
+# the model's first greedy token is its end-of-turn token, which has no text, so every server's first text (what
+# TTFT is timed by) came one decode step later (checked: numbers 1-30 all start with text now).
+PROBE_PROMPT = ("Fact {n}: when you blow gently across the surface of a cup of hot tea, it cools down faster than "
+                "when it just sits still, because")
 PROBE_INDEX_BASE = 1_000_000  # probes' request ids, apart from the streams'
 STREAM_RETRY_S = 0.5  # after a stream's request failed, before it is sent again
 MAX_STREAM_FAILURES = 20  # then the streams give up (a server that refuses them)

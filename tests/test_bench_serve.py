@@ -20,6 +20,7 @@ from bench.serve_data import RequestSpec, builtin_requests, load_tokenizer, rand
 from bench.serve_metrics import calculate, parse_slos
 from bench.server import free_port
 from bench.sse import iter_event_data, split_lines
+from engine import SamplingParams
 
 from .client import wait_until
 
@@ -270,6 +271,16 @@ def test_the_probe_measures_a_short_prompt_beside_running_streams(smol_server, t
     # the streams are cancelled at the end: the server goes idle instead of decoding 2,000 tokens each
     wait_until(lambda: smol_server.state.engine.scheduler.num_running == 0, timeout=30, what="the streams cancelled")
     assert probe.ProbeResult.from_dict(json.loads(json.dumps(result.as_dict()))) == result
+
+
+def test_the_probe_prompts_first_greedy_token_is_text(smol_server, tokenizer):
+    """TTFT is timed by the first text: a first token without text (the end-of-turn token after a question) would
+    time every server's second token instead."""
+    engine = smol_server.state.engine
+    specs = probe.probe_requests(tokenizer, 15, 1)
+    outputs = engine.generate([spec.prompt for spec in specs], SamplingParams(max_tokens=1, ignore_eos=True))
+    special = set(tokenizer.all_special_ids)
+    assert [o.output_token_ids[0] in special or o.text == "" for o in outputs] == [False] * 15
 
 
 def test_probes_without_the_streams_running_are_measured_but_not_counted(smol_server, tokenizer):
