@@ -81,8 +81,7 @@ def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_
 
 def _run_sweep(result: ConfigResult, url: str, plan: Plan, tokenizer, show_progress: bool) -> None:
     config = result.config
-    sampling = serve.Sampling(temperature=0.0, ignore_eos=True, eos_method=config.eos_method,
-                              banned_token_ids=tuple(sorted(tokenizer.all_special_ids)))
+    sampling = serve.Sampling.greedy(tokenizer, config.eos_method)
     per_client = config.requests_per_client or plan.requests_per_client
     points = [(c, plan.output_len, per_client * c) for c in plan.concurrency]
     if config.in_length_sweep:

@@ -129,19 +129,13 @@ def probe_requests(tokenizer, num_probes: int, output_len: int) -> list[RequestS
             for i, prompt in enumerate(prompts)]
 
 
-def greedy_sampling(tokenizer, eos_method: str) -> Sampling:
-    """As the sweep asks: greedy, ignore_eos (by the server's own method)."""
-    return Sampling(temperature=0.0, ignore_eos=True, eos_method=eos_method,
-                    banned_token_ids=tuple(sorted(tokenizer.all_special_ids)))
-
-
 def measure_config(config, url: str, tokenizer, plan: ProbePlan) -> ProbeResult:
     """The probe against a server `bench compare` started (`config` is its peers.ServerConfig)."""
     from .peers import SERVED_NAME
     from .serve import make_target
 
     result = measure(lambda: make_target(config.api, url, SERVED_NAME), tokenizer,
-                     greedy_sampling(tokenizer, config.eos_method), plan)
+                     Sampling.greedy(tokenizer, config.eos_method), plan)
     logger.info("%s", result.line(config.name))
     return result
 

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     probe_result = None
     if probe_plan is not None:
         probe_result = probe.measure(lambda: make_target(args.api, args.url, args.model, api_key=args.api_key),
-                                     tokenizer, probe.greedy_sampling(tokenizer, args.eos_method), probe_plan)
+                                     tokenizer, Sampling.greedy(tokenizer, args.eos_method), probe_plan)
         logger.info("%s", probe_result.line(label))
     if args.result_json:
         write_json(args.result_json, {"label": label, "api": args.api, "url": args.url, "args": _args_record(args),

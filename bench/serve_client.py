@@ -42,6 +42,12 @@ class Sampling:
     banned_token_ids: tuple[int, ...] = ()
     include_usage: bool = False  # ask an OpenAI server for a final usage chunk (vLLM supports stream_options)
 
+    @classmethod
+    def greedy(cls, tokenizer, eos_method: str) -> "Sampling":
+        """What `bench compare` asks of every server: greedy, ignore_eos by the server's own method."""
+        return cls(temperature=0.0, ignore_eos=True, eos_method=eos_method,
+                   banned_token_ids=tuple(sorted(tokenizer.all_special_ids)))
+
     def body_fields(self) -> dict:
         fields = {"temperature": self.temperature}
         if self.ignore_eos and self.eos_method == "field":

@@ -14,8 +14,8 @@ the bandwidth limit is about 9 ms. So this forward:
 - runs each layer as a flat sequence of tensor ops: decode steps on the slot KV cache (kv_cache.py: keys and
   values written in place, attention as two grouped matmuls, the mask built once per step), prompt chunks on
   the prompt's own DynamicCache with transformers' SDPA attention and the model's own masks.
-Every other op is the one transformers runs, in the same order and dtypes (RMSNorm in float32, the model's own
-rotary module, softmax in float32), so a row's result does not depend on the other rows: batch invariance holds
+Every other op is the one transformers runs, in the same order and dtypes (the model's own RMSNorm modules and
+rotary module, the slot attention's own function, softmax in float32), so a row's result does not depend on the other rows: batch invariance holds
 as for the model's forward (tests/test_batch_invariance.py).
 
 Used where the weights can be reordered: bfloat16 on CPU (in float32, MKL computes one row differently from
@@ -23,6 +23,7 @@ several, and a fused weight differently from its parts, so fusing would change t
 does not understand (biases, other activations or norms, no rotary module) keep the model's forward too.
 """
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .kv_cache import SlotKVCache
+from .kv_cache import SlotKVCache, one_query_attention
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,10 @@ class Linear:
 
 @dataclass(frozen=True)
 class _Layer:
-    input_norm: torch.Tensor  # [hidden]
-    input_norm_eps: float
+    input_norm: Callable[[torch.Tensor], torch.Tensor]  # the model's own RMSNorm (its forward: no module hooks)
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     out: Linear  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor
-    post_norm_eps: float
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear  # [hidden, intermediate]
 
@@ -79,7 +78,7 @@ class FastDecoder:
         decoder = model.model
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
-        self.final_norm, self.final_norm_eps = _norm(decoder.norm)
+        self.final_norm = decoder.norm.forward
         self.lm_head = Linear(model.lm_head.weight)
         self.layers = [_fuse_layer(layer) for layer in decoder.layers]
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
@@ -102,7 +101,7 @@ class FastDecoder:
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
         for index, layer in enumerate(self.layers):
             hidden = self._layer(hidden, layer, cos, sin, attention_mask, cache, index)
-        hidden = _rms_norm(hidden, self.final_norm, self.final_norm_eps)
+        hidden = self.final_norm(hidden)
         return self.lm_head(hidden)
 
     def prefill(self, token_ids: torch.Tensor, start: int, cache: DynamicCache,
@@ -121,7 +120,7 @@ class FastDecoder:
             hidden = self._prefill_layer(hidden, layer, attention_module, cos, sin, visible, cache, index)
         if not all_positions:
             hidden = hidden[-1:]
-        logits = self.lm_head(_rms_norm(hidden, self.final_norm, self.final_norm_eps))
+        logits = self.lm_head(self.final_norm(hidden))
         return logits if all_positions else logits[0]
 
     def _prefill_layer(self, hidden, layer: _Layer, attention_module, cos, sin, visible, cache, index: int):
@@ -143,7 +142,7 @@ class FastDecoder:
     def _project(self, hidden, layer: _Layer, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [N, heads, head_dim], keys and values [N, kv_heads, head_dim] of N tokens, rotated (cos/sin:
         [N, 1, head_dim])."""
-        normed = _rms_norm(hidden, layer.input_norm, layer.input_norm_eps)
+        normed = layer.input_norm(hidden)
         heads = layer.qkv(normed).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
         return rotated[:, :self.num_heads], rotated[:, self.num_heads:], heads[:, self.num_heads + self.num_kv_heads:]
@@ -152,29 +151,22 @@ class FastDecoder:
     def _feed_forward(hidden, attended, layer: _Layer) -> torch.Tensor:
         """The rest of the layer after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         hidden = hidden + layer.out(attended)
-        normed = _rms_norm(hidden, layer.post_norm, layer.post_norm_eps)
+        normed = layer.post_norm(hidden)
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)
         return hidden + layer.down(torch.nn.functional.silu(gate) * up)
 
     def _attention(self, query, keys, values, attention_mask) -> torch.Tensor:
-        """Grouped-query attention for one query token per row, as kv_cache.slot_attention computes it."""
-        batch = query.shape[0]
-        grouped = query.reshape(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(2, 3)) * self.scaling  # [B, kv_heads, group, capacity]
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.matmul(weights, values).view(batch, self.num_heads * self.head_dim)
+        """One query token per row ([B, heads, head_dim]), as the model's forward computes it over slots."""
+        attended = one_query_attention(query, keys, values, attention_mask, self.scaling)
+        return attended.view(query.shape[0], self.num_heads * self.head_dim)
 
 
 def _fuse_layer(layer: nn.Module) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
     gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-    input_norm, input_eps = _norm(layer.input_layernorm)
-    post_norm, post_eps = _norm(layer.post_attention_layernorm)
-    return _Layer(input_norm, input_eps, Linear(qkv), Linear(attention.o_proj.weight), post_norm, post_eps,
-                  Linear(gate_up), Linear(mlp.down_proj.weight))
+    return _Layer(layer.input_layernorm.forward, Linear(qkv), Linear(attention.o_proj.weight),
+                  layer.post_attention_layernorm.forward, Linear(gate_up), Linear(mlp.down_proj.weight))
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -211,17 +203,6 @@ def _fuse(*projections: nn.Linear) -> torch.Tensor:
         projection.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
         start += rows
     return fused
-
-
-def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
-    return module.weight, getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-
-
-def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm, op for op: float32 statistics, the weight applied in the model's dtype."""
-    as_float = hidden.to(torch.float32)
-    variance = as_float.pow(2).mean(-1, keepdim=True)
-    return weight * (as_float * torch.rsqrt(variance + eps)).to(hidden.dtype)
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -259,15 +259,15 @@ class HFBackend(Backend):
 
     def _prefill_chunk(self, prefill: Prefill, num_tokens: int) -> torch.Tensor:
         start, end = prefill.num_computed, prefill.num_computed + num_tokens
-        input_ids = torch.tensor([prefill.request.prompt_token_ids[start:end]], device=self.device)  # [1, C]
-        position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, C]
-        attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
+        token_ids = torch.tensor(prefill.request.prompt_token_ids[start:end], device=self.device)  # [C]
         started = time.perf_counter()
         echo = prefill.prompt_logprobs is not None
         if self.fast_decoder is not None:
-            logits = self.fast_decoder.prefill(input_ids[0], start, prefill.cache, all_positions=echo)[None]
+            logits = self.fast_decoder.prefill(token_ids, start, prefill.cache, all_positions=echo)[None]
         else:
-            logits = self._forward(input_ids, attention_mask, position_ids, prefill.cache, all_positions=echo)
+            position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)  # [1, C]
+            attention_mask = torch.ones((1, end), dtype=torch.long, device=self.device)  # [1, cached + C]
+            logits = self._forward(token_ids[None], attention_mask, position_ids, prefill.cache, all_positions=echo)
         elapsed = time.perf_counter() - started
         self._record_chunk_cost(elapsed, _cost_units(start, num_tokens))
         logger.debug("prefill %s: tokens %d-%d in %.3f s", prefill.request.request_id, start, end, elapsed)

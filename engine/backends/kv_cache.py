@@ -173,18 +173,26 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    num_kv_heads = key.shape[1]
-    grouped = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    output = one_query_attention(query, key, value, attention_mask, head_dim ** -0.5 if scaling is None else scaling)
+    return output.reshape(batch, 1, num_heads, head_dim), None
+
+
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Grouped-query attention of one query token per row over its keys and values ([B, kv_heads, span,
+    head_dim]), no KV heads repeated: query [B, heads, (1,) head_dim] -> [B, kv_heads, group, head_dim] (heads in
+    their order). attention_mask: additive [B, 1, 1, span], or boolean (True: attend)."""
+    batch, num_kv_heads, _, head_dim = key.shape
+    grouped = query.reshape(batch, num_kv_heads, -1, head_dim)
     scores = torch.matmul(grouped, key.transpose(2, 3))  # [B, kv_heads, group, span]
-    scores = scores * (head_dim ** -0.5 if scaling is None else scaling)
+    scores = scores * scaling
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    output = torch.matmul(weights, value)  # [B, kv_heads, group, head_dim]
-    return output.reshape(batch, 1, num_heads, head_dim), None
+    return torch.matmul(weights, value)
 
 
 def use_slot_attention(model) -> bool:
