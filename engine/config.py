@@ -46,9 +46,13 @@ class EngineConfig:
     # hf: greedy output bit-identical to the request run alone, whatever else is in the batch (prompt chunks
     # planned from the prompt alone, decode never at one row); costs about 1-3% (docs/benchmarks.md).
     batch_invariant: bool = True
-    # hf, Llama-shaped models: decode steps run by engine/backends/fast_decode.py (fused projections, oneDNN's
-    # reordered weights) instead of the model's forward; the same numbers, bit for bit (tests/test_fast_decode.py).
+    # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_decode.py (fused
+    # projections, no per-module overhead) instead of the model's forward (tests/test_fast_decode.py).
     fast_decode: bool = True
+    # hf fast forward, bfloat16, one torch thread, a CPU with AVX512-BF16 and a C compiler: its matmuls run on
+    # lockstep's kernel (engine/backends/bf16_linear.c, about 1.4x oneDNN's step) instead of oneDNN's, whose
+    # numbers the model's own forward gives bit for bit. Rounding differs from oneDNN's, accuracy alike.
+    bf16_kernel: bool = True
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache, one_query_attention
+from .native import Bf16Kernel
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +42,23 @@ PROBE_ROWS = 33
 
 
 class Linear:
-    """`x @ weight.T`, with the weight reordered once into oneDNN's blocked layout where that computes the same
+    """`x @ weight.T`: lockstep's one-core kernel where it was given one that takes this weight (native.py),
+    else oneDNN with the weight reordered once into its blocked layout where that computes the plain matmul's
     numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call (measured, one thread,
     every layer's weights at 1 / 16 rows: 28 / 51 ms plain, 18 / 26 ms reordered). The reordered copy is checked
     bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain one is used."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, kernel: Bf16Kernel | None = None):
         self.weight = weight
-        self.packed = _packed(weight) if _can_pack(weight) else None
+        self.kernel = kernel if kernel is not None and kernel.supports(weight) else None
+        if self.kernel is not None:
+            self.packed = self.kernel.pack(weight)
+        else:
+            self.packed = _packed(weight) if _can_pack(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed)
         if self.packed is None:
             return torch.nn.functional.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -69,7 +77,7 @@ class _Layer:
 class FastDecoder:
     """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kernel: Bf16Kernel | None = None):
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -79,8 +87,9 @@ class FastDecoder:
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.forward
-        self.lm_head = Linear(model.lm_head.weight)
-        self.layers = [_fuse_layer(layer) for layer in decoder.layers]
+        self.lm_head = Linear(model.lm_head.weight, kernel)
+        self.layers = [_fuse_layer(layer, kernel) for layer in decoder.layers]
+        self.kernel = kernel if self.lm_head.kernel is not None else None  # None: oneDNN computes every matmul
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
 
@@ -161,12 +170,13 @@ class FastDecoder:
         return attended.view(query.shape[0], self.num_heads * self.head_dim)
 
 
-def _fuse_layer(layer: nn.Module) -> _Layer:
+def _fuse_layer(layer: nn.Module, kernel: Bf16Kernel | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
     gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-    return _Layer(layer.input_layernorm.forward, Linear(qkv), Linear(attention.o_proj.weight),
-                  layer.post_attention_layernorm.forward, Linear(gate_up), Linear(mlp.down_proj.weight))
+    return _Layer(layer.input_layernorm.forward, Linear(qkv, kernel), Linear(attention.o_proj.weight, kernel),
+                  layer.post_attention_layernorm.forward, Linear(gate_up, kernel),
+                  Linear(mlp.down_proj.weight, kernel))
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
