@@ -22,6 +22,7 @@ Used where the weights can be reordered: bfloat16 on CPU (in float32, MKL comput
 several, and a fused weight differently from its parts, so fusing would change the numbers there). Models this
 does not understand (biases, other activations or norms, no rotary module) keep the model's forward too.
 """
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache, one_query_attention
-from .native import Bf16Kernel
+from .native import Bf16Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Linear:
     every layer's weights at 1 / 16 rows: 28 / 51 ms plain, 18 / 26 ms reordered). The reordered copy is checked
     bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain one is used."""
 
-    def __init__(self, weight: torch.Tensor, kernel: Bf16Kernel | None = None):
+    def __init__(self, weight: torch.Tensor, kernel: Bf16Kernels | None = None):
         self.weight = weight
         self.kernel = kernel if kernel is not None and kernel.supports(weight) else None
         if self.kernel is not None:
@@ -66,7 +67,7 @@ class Linear:
 
 @dataclass(frozen=True)
 class _Layer:
-    input_norm: Callable[[torch.Tensor], torch.Tensor]  # the model's own RMSNorm (its forward: no module hooks)
+    input_norm: Callable[[torch.Tensor], torch.Tensor]  # the model's RMSNorm (`_norm`)
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     out: Linear  # [hidden, heads * head_dim]
     post_norm: Callable[[torch.Tensor], torch.Tensor]
@@ -77,7 +78,7 @@ class _Layer:
 class FastDecoder:
     """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
-    def __init__(self, model: nn.Module, kernel: Bf16Kernel | None = None):
+    def __init__(self, model: nn.Module, kernel: Bf16Kernels | None = None):
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -86,10 +87,12 @@ class FastDecoder:
         decoder = model.model
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
-        self.final_norm = decoder.norm.forward
+        self.final_norm = _norm(decoder.norm, kernel)
         self.lm_head = Linear(model.lm_head.weight, kernel)
         self.layers = [_fuse_layer(layer, kernel) for layer in decoder.layers]
         self.kernel = kernel if self.lm_head.kernel is not None else None  # None: oneDNN computes every matmul
+        self.attention_kernel = kernel if self.kernel is not None and kernel.supports_attention(
+            self.num_heads, self.num_kv_heads, self.head_dim) else None
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
 
@@ -108,8 +111,9 @@ class FastDecoder:
         `cache.prepare_decode`. Returns the logits [B, V]."""
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
+        lengths = position_ids[:, 0] + 1 if self.attention_kernel else None  # the kernel's mask: positions 0..p
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(hidden, layer, cos, sin, attention_mask, cache, index)
+            hidden = self._layer(hidden, layer, cos, sin, attention_mask, lengths, cache, index)
         hidden = self.final_norm(hidden)
         return self.lm_head(hidden)
 
@@ -137,16 +141,17 @@ class FastDecoder:
         query, key, value = self._project(hidden, layer, cos, sin)
         keys, values = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], index)  # [1, kv, C, D]
         if length == 1:  # one query token: the decode attention, as the model's forward (kv_cache.slot_attention)
-            attended = self._attention(query, keys, values, None)
+            lengths = torch.tensor([keys.shape[2]]) if self.attention_kernel else None
+            attended = self._attention(query, keys, values, None, lengths)
         else:
             attended, _ = sdpa_attention_forward(attention_module, query.transpose(0, 1)[None], keys, values, visible,
                                                  scaling=self.scaling)
         return self._feed_forward(hidden, attended.reshape(length, self.num_heads * self.head_dim), layer)
 
-    def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, cache: SlotKVCache, index: int):
+    def _layer(self, hidden, layer: _Layer, cos, sin, attention_mask, lengths, cache: SlotKVCache, index: int):
         query, key, value = self._project(hidden, layer, cos, sin)
         keys, values = cache.update(key.unsqueeze(2), value.unsqueeze(2), index)
-        return self._feed_forward(hidden, self._attention(query, keys, values, attention_mask), layer)
+        return self._feed_forward(hidden, self._attention(query, keys, values, attention_mask, lengths), layer)
 
     def _project(self, hidden, layer: _Layer, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [N, heads, head_dim], keys and values [N, kv_heads, head_dim] of N tokens, rotated (cos/sin:
@@ -164,19 +169,33 @@ class FastDecoder:
         gate, up = layer.gate_up(normed).chunk(2, dim=-1)
         return hidden + layer.down(torch.nn.functional.silu(gate) * up)
 
-    def _attention(self, query, keys, values, attention_mask) -> torch.Tensor:
-        """One query token per row ([B, heads, head_dim]), as the model's forward computes it over slots."""
-        attended = one_query_attention(query, keys, values, attention_mask, self.scaling)
+    def _attention(self, query, keys, values, attention_mask, lengths) -> torch.Tensor:
+        """One query token per row ([B, heads, head_dim]) over its slot: on lockstep's kernel where there is one
+        (lengths [B]: how many positions each row attends to), else as the model's forward computes it."""
+        if lengths is not None:
+            attended = self.attention_kernel.decode_attention(query.contiguous(), keys, values, lengths, self.scaling)
+        else:
+            attended = one_query_attention(query, keys, values, attention_mask, self.scaling)
         return attended.view(query.shape[0], self.num_heads * self.head_dim)
 
 
-def _fuse_layer(layer: nn.Module, kernel: Bf16Kernel | None) -> _Layer:
+def _fuse_layer(layer: nn.Module, kernel: Bf16Kernels | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
     gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-    return _Layer(layer.input_layernorm.forward, Linear(qkv, kernel), Linear(attention.o_proj.weight, kernel),
-                  layer.post_attention_layernorm.forward, Linear(gate_up, kernel),
-                  Linear(mlp.down_proj.weight, kernel))
+    return _Layer(_norm(layer.input_layernorm, kernel), Linear(qkv, kernel),
+                  Linear(attention.o_proj.weight, kernel), _norm(layer.post_attention_layernorm, kernel),
+                  Linear(gate_up, kernel), Linear(mlp.down_proj.weight, kernel))
+
+
+def _norm(module: nn.Module, kernel: Bf16Kernels | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The RMSNorm on lockstep's kernel where it can read the module (LlamaRMSNorm's weight and epsilon), else
+    the module's own forward (without module hooks)."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if kernel is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 \
+            or not isinstance(eps, float):
+        return module.forward
+    return functools.partial(kernel.rms_norm, weight=weight.detach().contiguous(), eps=eps)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

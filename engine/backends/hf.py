@@ -48,7 +48,7 @@ from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
-from .native import Bf16Kernel, load_bf16_kernel
+from .native import Bf16Kernels, load_bf16_kernels
 from .kv_cache import SlotKVCache, use_slot_attention
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
@@ -126,7 +126,7 @@ class HFBackend(Backend):
                     self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
                     self._forward_name(), "on" if self.batch_invariant else "off")
 
-    def _bf16_kernel(self, config: EngineConfig) -> Bf16Kernel | None:
+    def _bf16_kernel(self, config: EngineConfig) -> Bf16Kernels | None:
         """lockstep's matmul kernel where it applies: it runs on one core, so only with one torch thread."""
         if not config.bf16_kernel or self.model.dtype != torch.bfloat16 or self.device.type != "cpu":
             return None
@@ -134,7 +134,7 @@ class HFBackend(Backend):
             logger.info("bf16 matmul kernel: %d torch threads; it runs on one, so oneDNN's matmul",
                         torch.get_num_threads())
             return None
-        return load_bf16_kernel(config.cache_dir)
+        return load_bf16_kernels(config.cache_dir)
 
     def _forward_name(self) -> str:
         if self.fast_decoder is None:

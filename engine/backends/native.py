@@ -1,8 +1,8 @@
-"""lockstep's C kernel for bfloat16 matmuls on one CPU core (bf16_linear.c), built on first use with the system's
-C compiler into the cache folder and loaded with ctypes.
+"""lockstep's C kernels for a bfloat16 decode step on one CPU core (bf16_kernels.c: the weight matmuls and the
+decode attention), built on first use with the system's C compiler into the cache folder and loaded with ctypes.
 
 It is used only where it can run and computes what it should: an x86 CPU with AVX512-BF16, a C compiler, and a
-probe against float64 when it loads. Otherwise `load_bf16_kernel` says why in the log and returns None, and the
+probe against float64 when it loads. Otherwise `load_bf16_kernels` says why in the log and returns None, and the
 fast forward keeps oneDNN's matmul. Nothing here runs at import time.
 """
 import ctypes
@@ -18,21 +18,30 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("bf16_linear.c")
+SOURCE = Path(__file__).with_name("bf16_kernels.c")
 COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
+LINK_FLAGS = ("-lm",)
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})  # what those flags let it execute
 COMPILE_TIMEOUT_S = 120
 PROBE_ROWS = 33
 
 
-class Bf16Kernel:
-    """`pack` a weight [N, K] once, then `linear(x, packed)` computes x @ weight.T, bfloat16 in and out."""
+class Bf16Kernels:
+    """`pack` a weight [N, K] once, then `linear(x, packed)` computes x @ weight.T, bfloat16 in and out;
+    `decode_attention` attends one query token per row over the slot cache."""
 
     def __init__(self, library: ctypes.CDLL):
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._linear = library.lockstep_bf16_linear
-        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        self._linear.argtypes = [pointer, pointer, pointer, size, size, size]
         self._linear.restype = None
+        self._attention = library.lockstep_bf16_decode_attention
+        self._attention.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, size, size,
+                                    ctypes.c_float, pointer]
+        self._attention.restype = None
+        self._rms_norm = library.lockstep_bf16_rms_norm
+        self._rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float]
+        self._rms_norm.restype = None
         self.columns_per_block = library.lockstep_bf16_columns_per_block()
 
     def supports(self, weight: torch.Tensor) -> bool:
@@ -40,7 +49,7 @@ class Bf16Kernel:
                 and weight.shape[0] % self.columns_per_block == 0 and weight.shape[1] % 2 == 0)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> [N / columns, K / 2, columns, 2]: the layout bf16_linear.c streams through."""
+        """[N, K] -> [N / columns, K / 2, columns, 2]: the layout bf16_kernels.c streams through."""
         rows, depth = weight.shape
         return (weight.detach().reshape(rows // self.columns_per_block, self.columns_per_block, depth // 2, 2)
                 .permute(0, 2, 1, 3).contiguous())
@@ -55,7 +64,86 @@ class Bf16Kernel:
         self._linear(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), rows.shape[0], out_features, depth)
         return out.view(*x.shape[:-1], out_features)
 
+    @staticmethod
+    def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
+            and num_heads // num_kv_heads <= 8
+
+    def decode_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """query [B, heads, head_dim]; keys and values: the cache's slots [>= B, kv_heads, capacity, head_dim],
+        row r reading slot r; lengths [B] (int64): row r attends to its positions 0..lengths[r]-1.
+        Returns [B, heads, head_dim]."""
+        rows, num_heads, head_dim = query.shape
+        _, num_kv_heads, capacity, _ = keys.shape
+        for name, tensor in (("query", query), ("keys", keys), ("values", values)):
+            if tensor.dtype != torch.bfloat16 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"decode attention takes contiguous bfloat16 CPU tensors; {name} is not")
+        if keys.shape != values.shape or keys.shape[0] < rows or keys.shape[3] != head_dim \
+                or lengths.dtype != torch.int64 or lengths.shape != (rows,) \
+                or not self.supports_attention(num_heads, num_kv_heads, head_dim):
+            raise ValueError("decode attention: shapes that do not fit together")
+        if rows and not bool(((lengths >= 1) & (lengths <= capacity)).all()):
+            raise ValueError("decode attention: a length outside 1..capacity")
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        scratch = torch.empty(capacity + group * (capacity // 2 + 1), dtype=torch.float32)
+        lengths = lengths.contiguous()
+        self._attention(query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), lengths.data_ptr(),
+                        rows, num_kv_heads, group, capacity, head_dim, scaling, scratch.data_ptr())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' LlamaRMSNorm of x [..., hidden] (bfloat16; weight [hidden])."""
+        hidden = weight.shape[0]
+        rows = x.reshape(-1, hidden).contiguous()
+        if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous() \
+                or rows.device.type != "cpu" or weight.device.type != "cpu":
+            raise ValueError("rms_norm takes bfloat16 CPU inputs and a contiguous bfloat16 weight")
+        out = torch.empty_like(rows)
+        self._rms_norm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], hidden, eps)
+        return out.view(x.shape)
+
     def computes_correctly(self) -> bool:
+        return (self._linear_computes_correctly() and self._attention_computes_correctly()
+                and self._rms_norm_computes_correctly())
+
+    def _rms_norm_computes_correctly(self) -> bool:
+        """A probe against transformers' formula: within one bfloat16 rounding, and each row the same alone."""
+        generator = torch.Generator().manual_seed(0)
+        x = (torch.randn(9, 200, generator=generator) * 3).to(torch.bfloat16)  # 200: a ragged last vector
+        weight = torch.randn(200, generator=generator).to(torch.bfloat16)
+        together = self.rms_norm(x, weight, 1e-5)
+        exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+        close = bool(((together.double() - exact).abs() <= exact.abs() * 2 ** -6 + 1e-6).all())
+        return close and all(torch.equal(self.rms_norm(x[row], weight, 1e-5), together[row]) for row in range(9))
+
+    def _attention_computes_correctly(self) -> bool:
+        """A probe against float64 attention: within bfloat16's rounding, and each row the same alone."""
+        generator = torch.Generator().manual_seed(0)
+        rows, num_kv_heads, group, capacity, head_dim = 5, 2, 3, 40, 64
+        query = torch.randn(rows, num_kv_heads * group, head_dim, generator=generator).to(torch.bfloat16)
+        keys, values = (torch.randn(rows, num_kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
+                        for _ in range(2))
+        lengths = torch.tensor([1, 17, 40, 16, 33])
+        together = self.decode_attention(query, keys, values, lengths, head_dim ** -0.5)
+        for row in range(rows):
+            length = int(lengths[row])
+            grouped = query[row].double().view(num_kv_heads, group, head_dim)
+            scores = grouped @ keys[row, :, :length].double().transpose(1, 2) * head_dim ** -0.5
+            weights, row_values = torch.softmax(scores, dim=-1), values[row, :, :length].double()
+            exact = (weights @ row_values).view(-1, head_dim)
+            # the weights are rounded to bfloat16 (as the torch path rounds them), then the result
+            bound = (weights @ row_values.abs()).view(-1, head_dim) * 2 ** -7 + exact.abs() * 2 ** -8 + 1e-6
+            if not ((together[row].double() - exact).abs() <= bound).all():
+                return False
+            alone = self.decode_attention(query[row:row + 1].contiguous(), keys[row:row + 1].contiguous(),
+                                          values[row:row + 1].contiguous(), lengths[row:row + 1], head_dim ** -0.5)
+            if not torch.equal(alone[0], together[row]):
+                return False
+        return True
+
+    def _linear_computes_correctly(self) -> bool:
         """A probe: within bfloat16's rounding of the float64 result, and each row the same alone as among
         others (the property the engine's batch invariance rests on)."""
         generator = torch.Generator().manual_seed(0)
@@ -71,7 +159,7 @@ class Bf16Kernel:
         return close and alone
 
 
-def load_bf16_kernel(cache_dir: str) -> Bf16Kernel | None:
+def load_bf16_kernels(cache_dir: str) -> Bf16Kernels | None:
     """The kernel, built into `cache_dir`/kernels if it is not there yet; None (and why, in the log) where it
     cannot run here."""
     missing = CPU_FLAGS - _cpu_flags()
@@ -87,7 +175,7 @@ def load_bf16_kernel(cache_dir: str) -> Bf16Kernel | None:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("bf16 matmul kernel: could not build or load it (%s); oneDNN's matmul", exc)
         return None
-    kernel = Bf16Kernel(library)
+    kernel = Bf16Kernels(library)
     if not kernel.computes_correctly():
         logger.warning("bf16 matmul kernel: its probe computed wrong numbers; oneDNN's matmul")
         return None
@@ -98,14 +186,14 @@ def _built_library(folder: Path, compiler: str) -> Path:
     """One file per source and flags; built into a temporary name and renamed, so processes that build at
     once (gunicorn workers, tests) never load a half-written file."""
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *COMPILE_FLAGS)).encode()).hexdigest()[:16]
-    target = folder / f"bf16_linear-{digest}.so"
+    digest = hashlib.sha256(source + " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode()).hexdigest()[:16]
+    target = folder / f"bf16_kernels-{digest}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as building:
         built = Path(building) / target.name
-        done = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+        done = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

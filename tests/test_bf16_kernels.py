@@ -1,4 +1,4 @@
-"""lockstep's bfloat16 matmul kernel (engine/backends/bf16_linear.c, native.py): built with the machine's compiler,
+"""lockstep's bfloat16 matmul kernel (engine/backends/bf16_kernels.c, native.py): built with the machine's compiler,
 within bfloat16's rounding of the exact product on the model's own weights, each row the same alone as in any batch,
 the fast forward on it as accurate as on oneDNN's matmul, and every way it can be unavailable falls back to oneDNN."""
 import logging
@@ -21,7 +21,7 @@ PROMPTS = ["The capital of France is", "Write a short paragraph about the ocean.
 
 @pytest.fixture(scope="module")
 def kernel():
-    loaded = native.load_bf16_kernel(default_cache_dir())
+    loaded = native.load_bf16_kernels(default_cache_dir())
     assert loaded is not None, "this machine (AVX512-BF16, a C compiler) should run the kernel; see the log"
     return loaded
 
@@ -102,9 +102,9 @@ def test_the_backend_decodes_on_the_kernel_by_default_here(smol_model_dir):
 
 
 def test_a_kernel_that_computes_wrong_numbers_is_not_used(monkeypatch, caplog, smol_model_dir):
-    monkeypatch.setattr(native.Bf16Kernel, "computes_correctly", lambda self: False)
+    monkeypatch.setattr(native.Bf16Kernels, "computes_correctly", lambda self: False)
     with caplog.at_level(logging.WARNING, logger="engine.backends.native"):
-        assert native.load_bf16_kernel(default_cache_dir()) is None
+        assert native.load_bf16_kernels(default_cache_dir()) is None
     assert "wrong numbers" in caplog.text
     backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),
                         smol_model_dir)
@@ -115,11 +115,11 @@ def test_a_kernel_that_computes_wrong_numbers_is_not_used(monkeypatch, caplog, s
 def test_no_kernel_without_the_cpu_instructions_or_a_working_compiler(monkeypatch, caplog, tmp_path):
     with caplog.at_level(logging.INFO, logger="engine.backends.native"):
         monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "avx512f"})
-        assert native.load_bf16_kernel(str(tmp_path)) is None
+        assert native.load_bf16_kernels(str(tmp_path)) is None
         assert "lacks avx512_bf16, avx512bw, avx512vl" in caplog.text
         monkeypatch.undo()
         monkeypatch.setenv("CC", "false")  # a compiler that fails
-        assert native.load_bf16_kernel(str(tmp_path)) is None
+        assert native.load_bf16_kernels(str(tmp_path)) is None
         assert "could not build" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left to load later
 
@@ -127,7 +127,7 @@ def test_no_kernel_without_the_cpu_instructions_or_a_working_compiler(monkeypatc
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):
     """gunicorn workers and test processes may start together on an empty cache folder."""
     script = ("import sys; from engine.backends import native; "
-              "sys.exit(0 if native.load_bf16_kernel(sys.argv[1]) is not None else 1)")
+              "sys.exit(0 if native.load_bf16_kernels(sys.argv[1]) is not None else 1)")
     builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(4)]
     assert [builder.wait(timeout=180) for builder in builders] == [0, 0, 0, 0]
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1

@@ -1,0 +1,307 @@
+/* out[M, N] = x[M, K] @ W[N, K].T in bfloat16, accumulated in float32, on one core with AVX512-BF16.
+ *
+ * Why: on one core a decode step is bound by reading the weights, and oneDNN's bfloat16 matmul reads them at
+ * about 10 GB/s here, where a plain streaming loop reads about 16 (measured: bench.decode_profile, and
+ * docs/benchmarks.md). This loop reads each weight once per call and does nothing else.
+ *
+ * Every output number is the same sum in the same order whatever M is and whichever rows share the call: out[m, n]
+ * depends on x[m, :] and W[n, :] only. So a row's result never depends on the batch or on how a prompt is
+ * chunked (batch invariance by construction), and decode steps and prompt chunks compute alike.
+ *
+ * The weight is packed once (native.py, `pack_weight`): [N / 32][K / 2][32 columns][2 k], so one 64-byte load
+ * holds 16 output columns' pairs of k, the operand layout of vdpbf16ps. Requires N % 32 == 0 and K % 2 == 0.
+ * Built by engine/backends/native.py with: -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define COLUMNS 32       /* output columns per block: two zmm accumulators per row */
+#define ROWS 8           /* rows per pass over a block: 16 accumulators, the block stays in cache for the next */
+#define PREFETCH_PAIRS 16 /* k pairs ahead (2 KB) that the weight stream is prefetched */
+
+/* `rows` rows of x against one block of COLUMNS columns; `rows` is a compile-time constant in each copy below so
+ * that the accumulators live in registers. */
+#define BLOCK_KERNEL(rows)                                                                                         \
+    static void block_##rows(const uint16_t *x, int64_t x_stride, const uint16_t *block, uint16_t *out,           \
+                             int64_t out_stride, int64_t k_pairs) {                                               \
+        __m512 low[rows], high[rows];                                                                             \
+        const int32_t *x_pairs[rows];                                                                             \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            low[r] = _mm512_setzero_ps();                                                                         \
+            high[r] = _mm512_setzero_ps();                                                                        \
+            x_pairs[r] = (const int32_t *)(x + r * x_stride);                                                     \
+        }                                                                                                         \
+        for (int64_t pair = 0; pair < k_pairs; pair++) {                                                          \
+            const uint16_t *weights = block + pair * COLUMNS * 2;                                                 \
+            _mm_prefetch((const char *)(weights + PREFETCH_PAIRS * COLUMNS * 2), _MM_HINT_T0);                    \
+            _mm_prefetch((const char *)(weights + PREFETCH_PAIRS * COLUMNS * 2 + 32), _MM_HINT_T0);               \
+            __m512bh weights_low = (__m512bh)_mm512_loadu_si512(weights);                                         \
+            __m512bh weights_high = (__m512bh)_mm512_loadu_si512(weights + 32);                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < rows; r++) {                                              \
+                __m512bh x_pair = (__m512bh)_mm512_set1_epi32(x_pairs[r][pair]);                                  \
+                low[r] = _mm512_dpbf16_ps(low[r], x_pair, weights_low);                                           \
+                high[r] = _mm512_dpbf16_ps(high[r], x_pair, weights_high);                                        \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(low[r]));          \
+            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16), (__m256i)_mm512_cvtneps_pbh(high[r]));    \
+        }                                                                                                         \
+    }
+
+BLOCK_KERNEL(1)
+BLOCK_KERNEL(2)
+BLOCK_KERNEL(3)
+BLOCK_KERNEL(4)
+BLOCK_KERNEL(5)
+BLOCK_KERNEL(6)
+BLOCK_KERNEL(7)
+BLOCK_KERNEL(8)
+
+typedef void (*block_kernel)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t);
+static const block_kernel BLOCK_KERNELS[ROWS + 1] = {0,       block_1, block_2, block_3, block_4,
+                                                     block_5, block_6, block_7, block_8};
+
+int lockstep_bf16_columns_per_block(void) { return COLUMNS; }
+
+/* x: [M, K] contiguous; packed: the packed weight; out: [M, N] contiguous. */
+void lockstep_bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *out, int64_t m, int64_t n,
+                          int64_t k) {
+    for (int64_t column = 0; column < n; column += COLUMNS) {
+        const uint16_t *block = packed + column * k;
+        for (int64_t row = 0; row < m; row += ROWS) {
+            int64_t rows = m - row < ROWS ? m - row : ROWS;
+            BLOCK_KERNELS[rows](x + row * k, k, block, out + row * n + column, n, k / 2);
+        }
+    }
+}
+
+/* Decode attention: one query token per row over the row's own slot of the KV cache, grouped-query (each KV head
+ * serves `group` query heads, in transformers' order), softmax in float32. The torch path it replaces spent most of
+ * its time in per-call overhead of small batched matmuls (18 ms a step at 16 rows x 256 positions).
+ *
+ * query: [rows, kv_heads * group, head_dim]; keys, values: [slots, kv_heads, capacity, head_dim] (row r reads slot
+ * r); lengths[r]: positions 0..lengths[r]-1 are attended; out: [rows, kv_heads * group, head_dim];
+ * scratch: capacity + group * (capacity / 2 + 1) floats. head_dim % 32 == 0, head_dim <= 256, group <= 8.
+ * Scores are float32 dot products (vdpbf16ps over bfloat16 queries and keys), scaled, then softmax in float32,
+ * and the weighted sum of values accumulates in float32; only the result is rounded to bfloat16. */
+#define MAX_HEAD_VECTORS 16 /* head_dim / 16 */
+#define MAX_GROUP 8
+
+static inline __m512 exp_nonpositive(__m512 x) {
+    /* e^x for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2]; relative error
+     * about 2e-7, below float32's rounding of the sum it feeds. */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 bf16_to_float(const uint16_t *source) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)source)), 16));
+}
+
+/* Sixteen vectors -> one: lane t holds the sum of vector t's lanes (a transpose-and-add tree, ~3 instructions a
+ * vector where one horizontal sum each takes ~9). */
+static inline __m512 sum_each_of_16(const __m512 v[16]) {
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* 128-bit chunks 0-1 sum to v[2i], chunks 2-3 to v[2i+1] */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* chunk c sums to v[4i + c] */
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                                    _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int i = 0; i < 2; i++)
+        eighths[i] = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2 * i], quarters[2 * i + 1]),
+                                   _mm512_unpackhi_ps(quarters[2 * i], quarters[2 * i + 1]));
+    __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* element 4c + j of `sums` is vector 4j + c */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, sums);
+}
+
+/* Scores of one query head against positions 0..length-1, scaled; returns their maximum. The first head of a
+ * group also prefetches the keys a block ahead and the values it will weigh: a slot's keys and values come from
+ * memory in short streams that the hardware prefetcher alone reads at about half speed (measured). */
+static inline __attribute__((always_inline)) float score_positions(const __m512bh *q, const uint16_t *keys,
+                                                                   const uint16_t *values, int prefetch,
+                                                                   int64_t length, int64_t head_dim,
+                                                                   int64_t pairs_vectors, float scaling,
+                                                                   float *scores) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < length; t0 += 16) {
+        int64_t count = length - t0 < 16 ? length - t0 : 16;
+        if (prefetch) {
+            const char *ahead = (const char *)(keys + (t0 + 16) * head_dim);
+            const char *weighed = (const char *)(values + t0 * head_dim);
+            int64_t ahead_bytes = (length - t0 - 16 < 16 ? length - t0 - 16 : 16) * head_dim * 2;
+            for (int64_t b = 0; b < ahead_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+            for (int64_t b = 0; b < count * head_dim * 2; b += 64) _mm_prefetch(weighed + b, _MM_HINT_T1);
+        }
+        __m512 dots[16];
+        for (int64_t i = 0; i < 16; i++) {
+            dots[i] = _mm512_setzero_ps();
+            if (i < count) {
+                const uint16_t *key = keys + (t0 + i) * head_dim;
+                for (int64_t v = 0; v < pairs_vectors; v++)
+                    dots[i] = _mm512_dpbf16_ps(dots[i], q[v], (__m512bh)_mm512_loadu_si512(key + v * 32));
+            }
+        }
+        __mmask16 valid = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+        __m512 block = _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scaling));
+        _mm512_mask_storeu_ps(scores + t0, valid, block);
+        top = _mm512_mask_max_ps(top, valid, top, block);
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+/* scores[0..length-1] -> softmax weights, rounded to bfloat16 (as the torch path rounds them before the values'
+ * matmul) and packed in pairs of positions (t, t+1) for vdpbf16ps; an odd last position pairs with a 0. */
+static void softmax_to_pairs(float *scores, int64_t length, float maximum, uint32_t *pairs) {
+    __m512 top = _mm512_set1_ps(maximum), total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t += 16) {
+        __mmask16 valid = length - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (length - t)) - 1);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + t), top));
+        e = _mm512_maskz_mov_ps(valid, e);
+        _mm512_mask_storeu_ps(scores + t, valid, e);
+        total = _mm512_add_ps(total, e);
+    }
+    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    uint16_t *halves = (uint16_t *)pairs;
+    for (int64_t t = 0; t < length; t += 16) {
+        __mmask16 valid = length - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (length - t)) - 1);
+        __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, scores + t), inverse));
+        _mm256_mask_storeu_epi16((__m256i *)(halves + t), valid, (__m256i)rounded);
+    }
+    if (length % 2) halves[length] = 0;
+}
+
+static inline __attribute__((always_inline)) void attend_one_head_group(const uint16_t *query, const uint16_t *keys, const uint16_t *values,
+                                  uint16_t *out, int64_t length, int64_t head_dim, int64_t group, float scaling,
+                                  float *scores, uint32_t *pairs) {
+    const int64_t pairs_vectors = head_dim / 32; /* zmm of bfloat16 per head */
+    const int64_t pair_count = (length + 1) / 2;
+    for (int64_t g = 0; g < group; g++) {
+        __m512bh q[MAX_HEAD_VECTORS / 2];
+        for (int64_t v = 0; v < pairs_vectors; v++)
+            q[v] = (__m512bh)_mm512_loadu_si512(query + g * head_dim + v * 32);
+        float maximum = score_positions(q, keys, values, g == 0, length, head_dim, pairs_vectors, scaling, scores);
+        softmax_to_pairs(scores, length, maximum, pairs + g * pair_count);
+    }
+    /* Values of positions t and t+1 interleaved (per 128-bit lane: low half d 0-3, high half d 4-7 of that lane's
+     * eight), so vdpbf16ps adds both weighted positions into each float32 lane. */
+    __m512 low[MAX_GROUP][MAX_HEAD_VECTORS / 2], high[MAX_GROUP][MAX_HEAD_VECTORS / 2];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t v = 0; v < pairs_vectors; v++) low[g][v] = high[g][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pair_count; p++) {
+        const uint16_t *first = values + 2 * p * head_dim;
+        int has_second = 2 * p + 1 < length;
+        for (int64_t v = 0; v < pairs_vectors; v++) {
+            __m512i a = _mm512_loadu_si512(first + v * 32);
+            __m512i b = has_second ? _mm512_loadu_si512(first + head_dim + v * 32) : _mm512_setzero_si512();
+            __m512bh interleaved_low = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            __m512bh interleaved_high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int64_t g = 0; g < group; g++) {
+                __m512bh weight = (__m512bh)_mm512_set1_epi32((int)pairs[g * pair_count + p]);
+                low[g][v] = _mm512_dpbf16_ps(low[g][v], interleaved_low, weight);
+                high[g][v] = _mm512_dpbf16_ps(high[g][v], interleaved_high, weight);
+            }
+        }
+    }
+    /* back to d order: lane L of `low` holds d 8L..8L+3, of `high` d 8L+4..8L+7 */
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t v = 0; v < pairs_vectors; v++) {
+            uint16_t *target = out + g * head_dim + v * 32;
+            __m512 d0 = _mm512_permutex2var_ps(low[g][v], first_half, high[g][v]);
+            __m512 d1 = _mm512_permutex2var_ps(low[g][v], second_half, high[g][v]);
+            _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(d0));
+            _mm256_storeu_si256((__m256i *)(target + 16), (__m256i)_mm512_cvtneps_pbh(d1));
+        }
+}
+
+/* One copy per (head_dim, group) the models use, so that the accumulators live in registers; `attend_any` for
+ * the rest. */
+typedef void (*attend_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                          int64_t, float, float *, uint32_t *);
+#define ATTEND(HEAD_DIM, GROUP)                                                                                    \
+    static void attend_##HEAD_DIM##_##GROUP(const uint16_t *query, const uint16_t *keys, const uint16_t *values,  \
+                                            uint16_t *out, int64_t length, int64_t head_dim, int64_t group,        \
+                                            float scaling, float *scores, uint32_t *pairs) {                       \
+        (void)head_dim;                                                                                            \
+        (void)group;                                                                                               \
+        attend_one_head_group(query, keys, values, out, length, HEAD_DIM, GROUP, scaling, scores, pairs);          \
+    }
+ATTEND(64, 1) ATTEND(64, 2) ATTEND(64, 3) ATTEND(64, 4) ATTEND(64, 5) ATTEND(64, 6) ATTEND(64, 7) ATTEND(64, 8)
+ATTEND(128, 1) ATTEND(128, 2) ATTEND(128, 3) ATTEND(128, 4) ATTEND(128, 5) ATTEND(128, 6) ATTEND(128, 7)
+ATTEND(128, 8)
+static const attend_fn ATTEND_64[MAX_GROUP + 1] = {0,          attend_64_1, attend_64_2, attend_64_3, attend_64_4,
+                                                   attend_64_5, attend_64_6, attend_64_7, attend_64_8};
+static const attend_fn ATTEND_128[MAX_GROUP + 1] = {0,           attend_128_1, attend_128_2, attend_128_3,
+                                                    attend_128_4, attend_128_5, attend_128_6, attend_128_7,
+                                                    attend_128_8};
+
+static void attend_any(const uint16_t *query, const uint16_t *keys, const uint16_t *values, uint16_t *out,
+                       int64_t length, int64_t head_dim, int64_t group, float scaling, float *scores,
+                       uint32_t *pairs) {
+    attend_one_head_group(query, keys, values, out, length, head_dim, group, scaling, scores, pairs);
+}
+
+void lockstep_bf16_decode_attention(const uint16_t *query, const uint16_t *keys, const uint16_t *values,
+                                    uint16_t *out, const int64_t *lengths, int64_t rows, int64_t kv_heads,
+                                    int64_t group, int64_t capacity, int64_t head_dim, float scaling,
+                                    float *scratch) {
+    attend_fn attend = head_dim == 64 ? ATTEND_64[group] : head_dim == 128 ? ATTEND_128[group] : attend_any;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t head = (r * kv_heads + h) * group * head_dim;
+            int64_t slot = (r * kv_heads + h) * capacity * head_dim;
+            attend(query + head, keys + slot, values + slot, out + head, lengths[r], head_dim, group, scaling,
+                   scratch, (uint32_t *)(scratch + capacity));
+        }
+    }
+}
+
+/* RMSNorm as transformers' LlamaRMSNorm computes it: in float32, x * rsqrt(mean(x^2) + eps) rounded to bfloat16,
+ * then times the weight, rounded again (only the order of the sum of squares differs). One row at a time: a row's
+ * result never depends on the others. x, out: [rows, hidden]; weight: [hidden]. */
+static inline __m512 bf16_to_float_masked(__mmask16 mask, const uint16_t *source) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const __m256i *)source)), 16));
+}
+
+static inline __m512 round_to_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
+void lockstep_bf16_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
+                            float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * hidden;
+        uint16_t *row_out = out + r * hidden;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < hidden; i += 16) {
+            __mmask16 mask = hidden - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+            __m512 v = bf16_to_float_masked(mask, row + i);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));
+        for (int64_t i = 0; i < hidden; i += 16) {
+            __mmask16 mask = hidden - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (hidden - i)) - 1);
+            __m512 normed = round_to_bf16(_mm512_mul_ps(bf16_to_float_masked(mask, row + i), scale));
+            __m512 scaled = _mm512_mul_ps(normed, bf16_to_float_masked(mask, weight + i));
+            _mm256_mask_storeu_epi16((__m256i *)(row_out + i), mask, (__m256i)_mm512_cvtneps_pbh(scaled));
+        }
+    }
+}
