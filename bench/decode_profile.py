@@ -6,25 +6,31 @@ Three tables, in one process so the ratios compare even on a busy machine:
 1. ms per decode step and tokens/s, batch 1 / 8 / 16 at contexts 64 / 256 / 1,024: the design the
    backend started from (a DynamicCache concatenated every step, rows left-padded to the longest, a
    2-D mask grown by a column per step, SDPA attention), the slot KV cache through the model's
-   forward, and the slot KV cache through the fast forward (engine/backends/fast_decode.py, the
-   default for this model);
-2. one fast step (batch 8, context 256) split by operator class with torch.profiler: the weight
-   matmuls, attention, cache writes, other tensor ops, and the rest (Python, dispatch);
+   forward, and the slot KV cache through the fast forward (engine/backends/fast_decode.py) on
+   oneDNN's matmuls and on lockstep's kernels (engine/backends/bf16_kernels.c, the default where
+   the CPU has AVX512-BF16);
+2. fast steps (batch 8 and 16, context 256) split into their parts: the weight matmuls, attention,
+   cache writes, the rotary embedding, and the rest (norms, SiLU, adds, Python);
 3. the per-token costs outside the forward: the sampler per row, the worker round-trip (a
    forked worker's echo), the parent's incremental detokenizer.
 Times are wall-clock medians with the process CPU time beside them: when the CPU time is much
 lower, other processes held the cores.
 """
 import argparse
+import contextlib
+import functools
 import logging
 import statistics
 import time
+from unittest import mock
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from engine import EngineConfig
+from engine.backends import fast_decode
 from engine.backends.fast_decode import FastDecoder
+from engine.backends.native import load_bf16_kernels
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.backends.sampler import TokenSampler
 from engine.detokenizer import IncrementalDetokenizer
@@ -36,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 BATCHES = (1, 8, 16)
 CONTEXTS = (64, 256, 1024)
-MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
-ATTENTION = {"aten::bmm", "aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu",
-             "aten::_scaled_dot_product_attention_math"}
-CACHE = {"aten::cat", "aten::_index_put_impl_", "aten::index_put_"}
 
 
 def timed(step, num_steps: int) -> tuple[float, float]:
@@ -102,51 +104,72 @@ def padded_stepper(model, batch: int, context: int):
     return step
 
 
-def step_table(model, fast: FastDecoder, num_steps: int, skip_before: bool) -> list[str]:
+def step_table(model, fast: FastDecoder, kernels: FastDecoder | None, num_steps: int,
+               skip_before: bool) -> list[str]:
     lines = ["| batch | context | before: ms/step (CPU ms) | tok/s | slots, model's forward: ms/step (CPU ms) "
-             "| tok/s | slots, fast forward: ms/step (CPU ms) | tok/s | fast vs before | fast vs model's forward |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tok/s | fast forward, oneDNN: ms/step (CPU ms) | tok/s | fast forward, lockstep's kernels: "
+             "ms/step (CPU ms) | tok/s | default vs before | default vs model's forward |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    nothing = (float("nan"), float("nan"))
     for batch in BATCHES:
         for context in CONTEXTS:
-            before = (float("nan"), float("nan"))
+            before = nothing
             if not skip_before:
                 model.set_attn_implementation("sdpa")
                 before = timed(padded_stepper(model, batch, context), num_steps)
             use_slot_attention(model)
             slots = timed(slot_stepper(model, batch, context), num_steps)
-            fastest = timed(slot_stepper(model, batch, context, fast), num_steps)
+            on_onednn = timed(slot_stepper(model, batch, context, fast), num_steps)
+            on_kernels = timed(slot_stepper(model, batch, context, kernels), num_steps) if kernels else nothing
+            default = on_kernels if kernels else on_onednn
             lines.append(f"| {batch} | {context} | {before[0]:.1f} ({before[1]:.1f}) | {batch / before[0] * 1e3:.0f} "
                          f"| {slots[0]:.1f} ({slots[1]:.1f}) | {batch / slots[0] * 1e3:.0f} "
-                         f"| {fastest[0]:.1f} ({fastest[1]:.1f}) | {batch / fastest[0] * 1e3:.0f} "
-                         f"| {before[0] / fastest[0]:.2f}x | {slots[0] / fastest[0]:.2f}x |")
+                         f"| {on_onednn[0]:.1f} ({on_onednn[1]:.1f}) | {batch / on_onednn[0] * 1e3:.0f} "
+                         f"| {on_kernels[0]:.1f} ({on_kernels[1]:.1f}) | {batch / on_kernels[0] * 1e3:.0f} "
+                         f"| {before[0] / default[0]:.2f}x | {slots[0] / default[0]:.2f}x |")
             logger.info(lines[-1])
     return lines
 
 
-def breakdown_table(model, fast: FastDecoder, num_steps: int) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
+PARTS = {  # what is timed: (owner, attribute) wrapped with a wall-clock accumulator
+    "weight matmuls (4 per layer + lm_head)": (fast_decode.Linear, "__call__"),
+    "attention (one query per row over its slot)": (FastDecoder, "_attention"),
+    "KV cache writes": (SlotKVCache, "update"),
+    "rotary embedding": (fast_decode, "_rotate"),
+}
 
+
+def breakdown_table(model, decoder: FastDecoder, name: str, batch: int, num_steps: int) -> list[str]:
+    """One fast step split into its parts by wall-clock wrappers (the kernels are C calls that torch.profiler does
+    not see); the rest is norms, SiLU, residual adds, the embedding, and Python."""
     use_slot_attention(model)
-    step = slot_stepper(model, 8, 256, fast)
+    step = slot_stepper(model, batch, 256, decoder)
     wall, _ = timed(step, num_steps)
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        for _ in range(num_steps):
-            step()
-    classes = {"weight matmuls (4 fused per layer + lm_head)": 0.0, "attention (2 matmuls + softmax per layer)": 0.0,
-               "KV cache writes": 0.0, "other tensor ops (norms, RoPE, SiLU, adds, casts)": 0.0}
-    names = list(classes)
-    for event in profiler.key_averages():
-        key = (names[0] if event.key in MATMULS else names[1] if event.key in ATTENTION
-               else names[2] if event.key in CACHE else names[3])
-        classes[key] += event.self_cpu_time_total / 1e3 / num_steps
-    profiled_ops = sum(classes.values())
-    lines = [f"The fast forward, batch 8, context 256: {wall:.1f} ms per step unprofiled.", "",
-             "| part | ms per step | share |", "|---|---:|---:|"]
-    for name, ms in classes.items():
-        lines.append(f"| {name} | {ms * wall / max(profiled_ops, wall):.1f} | {ms / max(profiled_ops, wall):.0%} |")
-    rest = max(0.0, wall - profiled_ops)
-    lines.append(f"| Python and dispatch (unprofiled wall minus operator time) | {rest:.1f} | {rest / wall:.0%} |")
+    spent = dict.fromkeys(PARTS, 0.0)
+    with contextlib.ExitStack() as patches:
+        for part, (owner, attribute) in PARTS.items():
+            patches.enter_context(mock.patch.object(owner, attribute, _accumulating(getattr(owner, attribute),
+                                                                                    spent, part)))
+        instrumented, _ = timed(step, num_steps)
+    spent = {part: seconds / (num_steps + 2) * 1e3 for part, seconds in spent.items()}  # timed() warms up twice
+    lines = [f"The fast forward on {name}, batch {batch}, context 256: {wall:.1f} ms per step "
+             f"({instrumented:.1f} instrumented).", "", "| part | ms per step | share |", "|---|---:|---:|"]
+    for part, ms in spent.items():
+        lines.append(f"| {part} | {ms:.1f} | {ms / instrumented:.0%} |")
+    rest = max(0.0, instrumented - sum(spent.values()))
+    lines.append(f"| the rest: norms, SiLU, residual adds, embedding, Python | {rest:.1f} | {rest / instrumented:.0%} |")
     return lines
+
+
+def _accumulating(function, spent: dict[str, float], part: str):
+    @functools.wraps(function)
+    def timed_call(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - started
+    return timed_call
 
 
 def side_costs(model_path: str, model, dtype: str) -> list[str]:
@@ -192,10 +215,16 @@ def main() -> None:
         side = side_costs(model_path, model, args.dtype)
         torch.set_num_threads(args.threads)
         fast = FastDecoder(model)  # fuses the model's projections (views: its forward computes the same)
-        steps = step_table(model, fast, args.steps, args.skip_before)
-        breakdown = breakdown_table(model, fast, args.steps)
+        loaded = load_bf16_kernels(EngineConfig().cache_dir) if args.dtype == "bfloat16" else None
+        kernels = FastDecoder(model, loaded) if loaded else None
+        steps = step_table(model, fast, kernels, args.steps, args.skip_before)
+        breakdowns = []
+        for name, decoder in (("oneDNN", fast), ("lockstep's kernels", kernels)):
+            for batch in (8, 16):
+                if decoder is not None:
+                    breakdowns += breakdown_table(model, decoder, name, batch, args.steps) + [""]
     print(f"\n{args.dtype}, {args.threads} torch thread(s)\n")
-    print("\n".join(steps + [""] + breakdown + [""] + side))
+    print("\n".join(steps + [""] + breakdowns + side))
 
 
 if __name__ == "__main__":

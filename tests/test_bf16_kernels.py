@@ -1,18 +1,21 @@
-"""lockstep's bfloat16 matmul kernel (engine/backends/bf16_kernels.c, native.py): built with the machine's compiler,
-within bfloat16's rounding of the exact product on the model's own weights, each row the same alone as in any batch,
-the fast forward on it as accurate as on oneDNN's matmul, and every way it can be unavailable falls back to oneDNN."""
+"""lockstep's bfloat16 kernels (engine/backends/bf16_kernels.c, native.py: the weight matmul, the decode attention,
+RMSNorm): built with the machine's compiler; within bfloat16's rounding of the exact result on the model's own
+weights and on generated shapes; each row the same alone as in any batch; the fast forward on them as accurate as on
+oneDNN's matmul; and every way they can be unavailable falls back to oneDNN."""
 import logging
 import subprocess
 import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from engine.backends import native
 from engine.backends.fast_decode import FastDecoder
 from engine.backends.hf import HFBackend
-from engine.backends.kv_cache import use_slot_attention
+from engine.backends.kv_cache import SlotKVCache, one_query_attention, use_slot_attention
 from engine.config import EngineConfig, default_cache_dir
 
 PROMPTS = ["The capital of France is", "Write a short paragraph about the ocean. The ocean is",
@@ -58,6 +61,92 @@ def test_every_weight_shape_of_the_model_within_bfloat16_rounding_and_each_row_a
         assert torch.equal(kernel.linear(x[5:6], packed), together[5:6]), name
 
 
+GENERATED = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@GENERATED
+@given(rows=st.integers(1, 20), blocks=st.integers(1, 3), depth=st.integers(1, 160).map(lambda half: 2 * half),
+       seed=st.integers(0, 2 ** 16))
+def test_generated_matmul_shapes_within_rounding_and_row_by_row(kernel, rows, blocks, depth, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(32 * blocks, depth, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, depth, generator=generator).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    together = kernel.linear(x, packed)
+    exact, bound = exact_bound(x, weight)
+    assert ((together.double() - exact).abs() <= bound).all()
+    assert torch.equal(kernel.linear(x[-1:], packed), together[-1:])
+
+
+def exact_attention(query, keys, values, length: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's float64 attention over positions 0..length-1, and its bound: the softmax weights rounded to
+    bfloat16 (as the torch path rounds them), then the result."""
+    num_kv_heads, head_dim = keys.shape[0], keys.shape[2]
+    grouped = query.double().view(num_kv_heads, -1, head_dim)
+    weights = torch.softmax(grouped @ keys[:, :length].double().transpose(1, 2) * scaling, dim=-1)
+    row_values = values[:, :length].double()
+    exact = (weights @ row_values).reshape(-1, head_dim)
+    bound = (weights @ row_values.abs()).reshape(-1, head_dim) * 2 ** -7 + exact.abs() * 2 ** -8 + 1e-6
+    return exact, bound
+
+
+@GENERATED
+@given(lengths=st.lists(st.integers(1, 150), min_size=1, max_size=6), num_kv_heads=st.integers(1, 3),
+       group=st.integers(1, 8), head_dim=st.sampled_from([32, 64, 96, 128]), spare=st.integers(0, 40),
+       seed=st.integers(0, 2 ** 16))
+def test_generated_decode_attention_within_rounding_and_row_by_row(kernel, lengths, num_kv_heads, group, head_dim,
+                                                                     spare, seed):
+    """Any row count, length up to the slot's end (including exactly its capacity), odd and even lengths, the
+    specialised head sizes (64, 128) and the general one."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, capacity = len(lengths), max(lengths) + spare
+    query = torch.randn(rows, num_kv_heads * group, head_dim, generator=generator).to(torch.bfloat16)
+    keys, values = (torch.randn(rows + 1, num_kv_heads, capacity, head_dim, generator=generator).to(torch.bfloat16)
+                    for _ in range(2))  # one slot more than rows: never read
+    lengths_tensor = torch.tensor(lengths)
+    scaling = head_dim ** -0.5
+    together = kernel.decode_attention(query, keys, values, lengths_tensor, scaling)
+    for row, length in enumerate(lengths):
+        exact, bound = exact_attention(query[row], keys[row], values[row], length, scaling)
+        assert ((together[row].double() - exact).abs() <= bound).all(), (row, length)
+    last = rows - 1
+    alone = kernel.decode_attention(query[last:].contiguous(), keys[last:last + 1].contiguous(),
+                                    values[last:last + 1].contiguous(), lengths_tensor[last:], scaling)
+    assert torch.equal(alone[0], together[last])
+
+
+@torch.inference_mode()
+def test_decode_attention_on_the_slot_cache_agrees_with_the_torch_path(kernel):
+    """The way the fast forward calls it: the slot cache's rows and its step positions, against
+    kv_cache.one_query_attention with the cache's own mask."""
+    generator = torch.Generator().manual_seed(3)
+    cache = SlotKVCache(1, 3, 64, torch.bfloat16, torch.device("cpu"))
+    for length in (5, 64, 65, 130):
+        layer = [tuple(torch.randn(1, 3, length, 64, generator=generator).to(torch.bfloat16) for _ in range(2))]
+        cache.add_row(layer, length)
+    position_ids, mask = cache.prepare_decode()
+    fed = [torch.randn(4, 3, 1, 64, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    keys, values = cache.update(*fed, 0)
+    query = torch.randn(4, 9, 64, generator=generator).to(torch.bfloat16)
+    got = kernel.decode_attention(query, keys, values, position_ids[:, 0] + 1, 0.125)
+    expected = one_query_attention(query, keys, values, mask, 0.125).view(4, 9, 64)
+    assert ((got.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -6 + 2e-2).all()
+
+
+@GENERATED
+@given(rows=st.integers(1, 9), hidden=st.integers(1, 70).map(lambda n: 8 * n), scale=st.sampled_from([1e-3, 1.0, 300.0]),
+       seed=st.integers(0, 2 ** 16))
+def test_generated_rms_norms_match_transformers_within_one_rounding(kernel, rows, hidden, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=generator) * scale).to(torch.bfloat16)
+    weight = torch.randn(hidden, generator=generator).to(torch.bfloat16)
+    got = kernel.rms_norm(x, weight, 1e-5)
+    as_transformers = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    ulp = as_transformers.float().abs() * 2 ** -7 + 1e-30
+    assert ((got.float() - as_transformers.float()).abs() <= ulp).all()
+    assert torch.equal(kernel.rms_norm(x[-1], weight, 1e-5), got[-1])
+
+
 def test_it_refuses_inputs_it_cannot_read(kernel):
     packed = kernel.pack(torch.ones(64, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
@@ -65,6 +154,16 @@ def test_it_refuses_inputs_it_cannot_read(kernel):
     assert not kernel.supports(torch.ones(48, 16, dtype=torch.bfloat16))  # columns not a multiple of 32
     assert not kernel.supports(torch.ones(64, 15, dtype=torch.bfloat16))  # odd depth
     assert not kernel.supports(torch.ones(64, 16))  # float32
+    query, slots = torch.ones(2, 6, 64, dtype=torch.bfloat16), torch.ones(2, 2, 16, 64, dtype=torch.bfloat16)
+    for lengths in ([0, 3], [3, 17], [3]):  # a row with nothing to attend to, past its slot, a row without length
+        with pytest.raises(ValueError):
+            kernel.decode_attention(query, slots, slots, torch.tensor(lengths), 0.125)
+    with pytest.raises(ValueError):  # more rows than slots
+        kernel.decode_attention(torch.ones(3, 6, 64, dtype=torch.bfloat16), slots, slots, torch.tensor([1, 1, 1]), 1.0)
+    with pytest.raises(ValueError):  # a strided view
+        kernel.decode_attention(query, slots[:, :, ::2], slots[:, :, ::2], torch.tensor([1, 1]), 1.0)
+    with pytest.raises(ValueError):
+        kernel.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
 
 
 @torch.inference_mode()
