@@ -192,6 +192,7 @@ def test_the_backend_decodes_on_the_kernel_by_default_here(smol_model_dir):
                         smol_model_dir)
     assert backend.fast_decoder is not None and backend.fast_decoder.kernel is not None
     assert all(layer.qkv.kernel is not None for layer in backend.fast_decoder.layers)
+    assert backend.fast_decoder.rows_independent  # so a lone row decodes alone (test_batch_invariance checks it)
     backend.close()
     with_two_threads = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=2),
                                  smol_model_dir)

@@ -93,6 +93,13 @@ class FastDecoder:
         self.kernel = kernel if self.lm_head.kernel is not None else None  # None: oneDNN computes every matmul
         self.attention_kernel = kernel if self.kernel is not None and kernel.supports_attention(
             self.num_heads, self.num_kv_heads, self.head_dim) else None
+        # Every reduction over a row on lockstep's kernels (the rest is elementwise): a row's numbers are the same
+        # whatever else the step holds, even alone (oneDNN rounds a one-row matmul differently).
+        linears = [self.lm_head, *(linear for layer in self.layers
+                                   for linear in (layer.qkv, layer.out, layer.gate_up, layer.down))]
+        norms = [self.final_norm, *(norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm))]
+        self.rows_independent = (self.attention_kernel is not None and all(linear.kernel for linear in linears)
+                                 and all(isinstance(norm, functools.partial) for norm in norms))
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
 

@@ -25,8 +25,9 @@ Batch invariance (`batch_invariant`, on by default): a request's greedy tokens a
 it gets alone, bit for bit, whatever else runs. Its prompt chunks are planned from its own
 prompt only (never from a time budget that depends on the others), each decode row's
 attention reads only its own slot (exact zeros and -inf masks elsewhere), and a decode
-step never runs at one row: oneDNN's bfloat16 matmul rounds one row differently from two
-or more (measured; at 2..64 rows every row is identical), so one row is padded to two.
+step on oneDNN's matmuls never runs at one row: oneDNN's bfloat16 matmul rounds one row
+differently from two or more (measured; at 2..64 rows every row is identical), so one row is
+padded to two. lockstep's kernels compute every row alike, so on them a lone row runs alone.
 Without it, chunks beside running streams are sized to take about `prefill_step_target_s`.
 
 A failure that belongs to one request (its sampler, its prefill) drops that request and is
@@ -62,7 +63,7 @@ REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError
 ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice one at context 0 (measured, CPU)
 MIN_CHUNK_TOKENS = 16
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
-INVARIANT_MIN_ROWS = 2  # batch invariance: a decode step's matmuls never run at one row (see the docstring)
+INVARIANT_MIN_ROWS = 2  # batch invariance: oneDNN's matmuls never run at one row (see the docstring)
 # Batch invariance: a prompt chunk's cost (see `_cost_units`; ~0.5 ms a unit on 2 cores) whatever its context, so a
 # stream beside a long prompt waits about one chunk per step (512 units gave gaps of ~1 s on a loaded 2-core box).
 INVARIANT_CHUNK_UNITS = 256
@@ -177,7 +178,8 @@ class HFBackend(Backend):
 
     def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
         failed = output.failed
-        min_rows = INVARIANT_MIN_ROWS if self.batch_invariant else 1
+        rows_independent = self.fast_decoder is not None and self.fast_decoder.rows_independent
+        min_rows = INVARIANT_MIN_ROWS if self.batch_invariant and not rows_independent else 1
         token_ids = [row.last_token_id for row in self.rows]
         token_ids += token_ids[:1] * (min_rows - len(token_ids))  # padding rows: outputs ignored
         input_ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # [B, 1]
