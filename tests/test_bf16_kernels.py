@@ -151,6 +151,8 @@ def test_it_refuses_inputs_it_cannot_read(kernel):
     packed = kernel.pack(torch.ones(64, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bfloat16"):
         kernel.linear(torch.ones(2, 16), packed)
+    with pytest.raises(ValueError, match="16 features"):  # would reshape into rows of the wrong length
+        kernel.linear(torch.ones(2, 24, dtype=torch.bfloat16), packed)
     assert not kernel.supports(torch.ones(48, 16, dtype=torch.bfloat16))  # columns not a multiple of 32
     assert not kernel.supports(torch.ones(64, 15, dtype=torch.bfloat16))  # odd depth
     assert not kernel.supports(torch.ones(64, 16))  # float32

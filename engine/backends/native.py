@@ -57,9 +57,10 @@ class Bf16Kernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         depth = packed.shape[1] * 2
         out_features = packed.shape[0] * self.columns_per_block
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != depth:
+            raise ValueError(f"this matmul takes bfloat16 CPU inputs of {depth} features, not {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device}")
         rows = x.reshape(-1, depth).contiguous()
-        if rows.dtype != torch.bfloat16 or rows.device.type != "cpu":
-            raise ValueError(f"bf16_linear takes bfloat16 CPU inputs, not {rows.dtype} on {rows.device}")
         out = torch.empty((rows.shape[0], out_features), dtype=torch.bfloat16)
         self._linear(rows.data_ptr(), packed.data_ptr(), out.data_ptr(), rows.shape[0], out_features, depth)
         return out.view(*x.shape[:-1], out_features)
