@@ -49,9 +49,10 @@ class EngineConfig:
     # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_decode.py (fused
     # projections, no per-module overhead) instead of the model's forward (tests/test_fast_decode.py).
     fast_decode: bool = True
-    # hf fast forward, bfloat16, one torch thread, a CPU with AVX512-BF16 and a C compiler: its matmuls run on
-    # lockstep's kernel (engine/backends/bf16_kernels.c, about 1.4x oneDNN's step) instead of oneDNN's, whose
-    # numbers the model's own forward gives bit for bit. Rounding differs from oneDNN's, accuracy alike.
+    # hf fast forward, bfloat16, one torch thread, a CPU with AVX512-BF16 and a C compiler: its matmuls, decode
+    # attention and norms run on lockstep's kernels (engine/backends/bf16_kernels.c; a step in about half the time)
+    # instead of oneDNN's matmuls, whose numbers the model's own forward gives bit for bit. Rounding differs from
+    # oneDNN's, accuracy alike (tests/test_bf16_kernels.py).
     bf16_kernel: bool = True
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""

@@ -175,7 +175,7 @@ def test_the_fast_forward_on_the_kernel_is_as_accurate_as_on_onednn(kernel, smol
     reference = load(smol_model_dir, torch.float32)
     on_kernel = FastDecoder(load(smol_model_dir, torch.bfloat16), kernel)
     on_onednn = FastDecoder(load(smol_model_dir, torch.bfloat16))
-    assert on_kernel.kernel is kernel and on_onednn.kernel is None
+    assert on_kernel.kernels is kernel and on_onednn.kernels is None
     for text in PROMPTS:
         token_ids = torch.tensor(tokenizer(text)["input_ids"])
         exact = reference(token_ids[None]).logits[0, -1]
@@ -192,13 +192,13 @@ def test_the_backend_decodes_on_the_kernel_by_default_here(smol_model_dir):
     threads = torch.get_num_threads()
     backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),
                         smol_model_dir)
-    assert backend.fast_decoder is not None and backend.fast_decoder.kernel is not None
-    assert all(layer.qkv.kernel is not None for layer in backend.fast_decoder.layers)
+    assert backend.fast_decoder is not None and backend.fast_decoder.kernels is not None
+    assert all(layer.qkv.kernels is not None for layer in backend.fast_decoder.layers)
     assert backend.fast_decoder.rows_independent  # so a lone row decodes alone (test_batch_invariance checks it)
     backend.close()
     with_two_threads = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=2),
                                  smol_model_dir)
-    assert with_two_threads.fast_decoder.kernel is None  # a one-core kernel: oneDNN spreads over the threads
+    assert with_two_threads.fast_decoder.kernels is None  # a one-core kernel: oneDNN spreads over the threads
     with_two_threads.close()
     torch.set_num_threads(threads)
 
@@ -210,7 +210,7 @@ def test_a_kernel_that_computes_wrong_numbers_is_not_used(monkeypatch, caplog, s
     assert "wrong numbers" in caplog.text
     backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),
                         smol_model_dir)
-    assert backend.fast_decoder is not None and backend.fast_decoder.kernel is None
+    assert backend.fast_decoder is not None and backend.fast_decoder.kernels is None
     backend.close()
 
 
@@ -234,3 +234,29 @@ def test_processes_that_build_it_at_once_all_load_it(tmp_path):
     assert [builder.wait(timeout=180) for builder in builders] == [0, 0, 0, 0]
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
     assert not [path for path in (tmp_path / "kernels").iterdir() if path.is_dir()]  # no build folders left
+
+
+def test_packed_weights_sit_on_huge_pages_where_linux_offers_them(kernel):
+    """A decode step streams every packed weight; through 4 KB pages the core reads them more slowly."""
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="utf-8").read()
+    packed = kernel.pack(torch.ones(32 * 2048, 1024, dtype=torch.bfloat16))  # 128 MB
+    assert packed.data_ptr() % 64 == 0 and packed.is_contiguous()
+    assert torch.equal(kernel.linear(torch.ones(1, 1024, dtype=torch.bfloat16), packed),
+                       torch.full((1, 32 * 2048), 1024.0, dtype=torch.bfloat16))
+    if "[never]" in mode:
+        return
+    assert mapping_huge_page_kb(packed.data_ptr()) >= 64 * 1024
+
+
+def mapping_huge_page_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps", encoding="utf-8") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields[0].split("-")) == 2 and not fields[0].endswith(":"):
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1])
+    return 0

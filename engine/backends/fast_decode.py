@@ -1,26 +1,32 @@
-"""The transformers backend's forward for Llama-shaped models, decode steps and prompt chunks: the same arithmetic
-as transformers' forward, bit for bit, with less around it (tests/test_fast_decode.py).
+"""The transformers backend's forward for Llama-shaped models, decode steps and prompt chunks, with less around
+it than transformers' forward, on one of two kinds of kernels:
 
-On one CPU core a decode step is bound by reading the weights, and oneDNN reads bfloat16 weights in their plain
-layout at about a third of the memory bandwidth. Measured (every layer's weights, 212 MB, one thread): plain
-matmuls 28 ms at 1 row and 51 ms at 16 rows; weights reordered once into oneDNN's blocked layout 18 and 26 ms;
-the bandwidth limit is about 9 ms. So this forward:
+- lockstep's C kernels (native.py, bf16_kernels.c), where they run: bfloat16, one torch thread, a CPU with
+  AVX512-BF16 and a C compiler. The weight matmuls, the decode attention over the slot cache and the RMSNorms;
+  each streams its data once, and every row is computed the same way whatever else the step holds. A decode step
+  takes about half the time of the oneDNN path (docs/benchmarks.md); the numbers differ from transformers' by
+  rounding only (tests/test_bf16_kernels.py: as close to float32 as oneDNN's).
+- oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/test_fast_decode.py).
+  oneDNN reads bfloat16 weights in their plain layout at about a third of the memory bandwidth (every layer's
+  weights, 212 MB, one thread: 28 ms at 1 row and 51 ms at 16 rows), so each weight is reordered once into its
+  blocked layout (18 and 26 ms), used only where it gives the plain matmul's numbers bit for bit.
+
+Either way, this forward:
 - fuses the q/k/v projections into one matmul and gate/up into another (210 matmul calls a step become 120).
   The fused weights are the storage: the model's own q/k/v and gate/up weights become views of them, so its
-  forward (kept for other models and the fallbacks) reads the same numbers and no memory is added;
-- keeps a oneDNN-reordered copy of every weight (`Linear`), used only where it gives the plain matmul's numbers
-  bit for bit. Memory: the worker's resident set grows from about 0.65 to 1.0 GB (the reordered copies, 270 MB,
-  and the fused weights, which the loaded ones do not give back);
+  forward (kept for other models and the fallbacks) reads the same numbers. Memory: the worker's resident set
+  grows from about 0.65 to 1.0 GB (the packed or reordered copies, 270 MB, and the fused weights, which the loaded
+  ones do not give back);
 - runs each layer as a flat sequence of tensor ops: decode steps on the slot KV cache (kv_cache.py: keys and
-  values written in place, attention as two grouped matmuls, the mask built once per step), prompt chunks on
-  the prompt's own DynamicCache with transformers' SDPA attention and the model's own masks.
-Every other op is the one transformers runs, in the same order and dtypes (the model's own RMSNorm modules and
-rotary module, the slot attention's own function, softmax in float32), so a row's result does not depend on the other rows: batch invariance holds
-as for the model's forward (tests/test_batch_invariance.py).
+  values written in place), prompt chunks on the prompt's own DynamicCache with transformers' SDPA attention and
+  the model's own masks.
+On oneDNN every other op is the one transformers runs, in the same order and dtypes (the model's own RMSNorm
+modules and rotary module, the slot attention's own function, softmax in float32), so a row's result does not
+depend on the other rows as for the model's forward, and batch invariance holds (tests/test_batch_invariance.py).
 
-Used where the weights can be reordered: bfloat16 on CPU (in float32, MKL computes one row differently from
-several, and a fused weight differently from its parts, so fusing would change the numbers there). Models this
-does not understand (biases, other activations or norms, no rotary module) keep the model's forward too.
+Used for bfloat16 on CPU (in float32, MKL computes one row differently from several, and a fused weight
+differently from its parts, so fusing would change the numbers there). Models this does not understand (biases,
+other activations or norms, no rotary module) keep the model's forward too.
 """
 import functools
 import logging
@@ -43,23 +49,24 @@ PROBE_ROWS = 33
 
 
 class Linear:
-    """`x @ weight.T`: lockstep's one-core kernel where it was given one that takes this weight (native.py),
+    """`x @ weight.T`: lockstep's one-core kernel where it was given the kernels and they take this weight
+    (native.py),
     else oneDNN with the weight reordered once into its blocked layout where that computes the plain matmul's
     numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call (measured, one thread,
     every layer's weights at 1 / 16 rows: 28 / 51 ms plain, 18 / 26 ms reordered). The reordered copy is checked
     bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain one is used."""
 
-    def __init__(self, weight: torch.Tensor, kernel: Bf16Kernels | None = None):
+    def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None):
         self.weight = weight
-        self.kernel = kernel if kernel is not None and kernel.supports(weight) else None
-        if self.kernel is not None:
-            self.packed = self.kernel.pack(weight)
+        self.kernels = kernels if kernels is not None and kernels.supports(weight) else None
+        if self.kernels is not None:
+            self.packed = self.kernels.pack(weight)
         else:
             self.packed = _packed(weight) if _can_pack(weight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel.linear(x, self.packed)
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed)
         if self.packed is None:
             return torch.nn.functional.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -78,7 +85,7 @@ class _Layer:
 class FastDecoder:
     """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
-    def __init__(self, model: nn.Module, kernel: Bf16Kernels | None = None):
+    def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None):
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -87,18 +94,18 @@ class FastDecoder:
         decoder = model.model
         self.embed = decoder.embed_tokens.weight
         self.rotary = decoder.rotary_emb
-        self.final_norm = _norm(decoder.norm, kernel)
-        self.lm_head = Linear(model.lm_head.weight, kernel)
-        self.layers = [_fuse_layer(layer, kernel) for layer in decoder.layers]
-        self.kernel = kernel if self.lm_head.kernel is not None else None  # None: oneDNN computes every matmul
-        self.attention_kernel = kernel if self.kernel is not None and kernel.supports_attention(
-            self.num_heads, self.num_kv_heads, self.head_dim) else None
+        self.final_norm = _norm(decoder.norm, kernels)
+        self.lm_head = Linear(model.lm_head.weight, kernels)
+        self.layers = [_fuse_layer(layer, kernels) for layer in decoder.layers]
+        self.kernels = kernels if self.lm_head.kernels is not None else None  # None: oneDNN computes every matmul
+        self.attention_on_kernels = self.kernels is not None and self.kernels.supports_attention(
+            self.num_heads, self.num_kv_heads, self.head_dim)
         # Every reduction over a row on lockstep's kernels (the rest is elementwise): a row's numbers are the same
         # whatever else the step holds, even alone (oneDNN rounds a one-row matmul differently).
         linears = [self.lm_head, *(linear for layer in self.layers
                                    for linear in (layer.qkv, layer.out, layer.gate_up, layer.down))]
         norms = [self.final_norm, *(norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm))]
-        self.rows_independent = (self.attention_kernel is not None and all(linear.kernel for linear in linears)
+        self.rows_independent = (self.attention_on_kernels and all(linear.kernels for linear in linears)
                                  and all(isinstance(norm, functools.partial) for norm in norms))
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
@@ -118,7 +125,7 @@ class FastDecoder:
         `cache.prepare_decode`. Returns the logits [B, V]."""
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
-        lengths = position_ids[:, 0] + 1 if self.attention_kernel else None  # the kernel's mask: positions 0..p
+        lengths = position_ids[:, 0] + 1 if self.attention_on_kernels else None  # the kernels' mask: positions 0..p
         for index, layer in enumerate(self.layers):
             hidden = self._layer(hidden, layer, cos, sin, attention_mask, lengths, cache, index)
         hidden = self.final_norm(hidden)
@@ -148,7 +155,7 @@ class FastDecoder:
         query, key, value = self._project(hidden, layer, cos, sin)
         keys, values = cache.update(key.transpose(0, 1)[None], value.transpose(0, 1)[None], index)  # [1, kv, C, D]
         if length == 1:  # one query token: the decode attention, as the model's forward (kv_cache.slot_attention)
-            lengths = torch.tensor([keys.shape[2]]) if self.attention_kernel else None
+            lengths = torch.tensor([keys.shape[2]]) if self.attention_on_kernels else None
             attended = self._attention(query, keys, values, None, lengths)
         else:
             attended, _ = sdpa_attention_forward(attention_module, query.transpose(0, 1)[None], keys, values, visible,
@@ -177,32 +184,32 @@ class FastDecoder:
         return hidden + layer.down(torch.nn.functional.silu(gate) * up)
 
     def _attention(self, query, keys, values, attention_mask, lengths) -> torch.Tensor:
-        """One query token per row ([B, heads, head_dim]) over its slot: on lockstep's kernel where there is one
+        """One query token per row ([B, heads, head_dim]) over its slot: on lockstep's kernels where they run
         (lengths [B]: how many positions each row attends to), else as the model's forward computes it."""
         if lengths is not None:
-            attended = self.attention_kernel.decode_attention(query.contiguous(), keys, values, lengths, self.scaling)
+            attended = self.kernels.decode_attention(query.contiguous(), keys, values, lengths, self.scaling)
         else:
             attended = one_query_attention(query, keys, values, attention_mask, self.scaling)
         return attended.view(query.shape[0], self.num_heads * self.head_dim)
 
 
-def _fuse_layer(layer: nn.Module, kernel: Bf16Kernels | None) -> _Layer:
+def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
     gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-    return _Layer(_norm(layer.input_layernorm, kernel), Linear(qkv, kernel),
-                  Linear(attention.o_proj.weight, kernel), _norm(layer.post_attention_layernorm, kernel),
-                  Linear(gate_up, kernel), Linear(mlp.down_proj.weight, kernel))
+    return _Layer(_norm(layer.input_layernorm, kernels), Linear(qkv, kernels),
+                  Linear(attention.o_proj.weight, kernels), _norm(layer.post_attention_layernorm, kernels),
+                  Linear(gate_up, kernels), Linear(mlp.down_proj.weight, kernels))
 
 
-def _norm(module: nn.Module, kernel: Bf16Kernels | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The RMSNorm on lockstep's kernel where it can read the module (LlamaRMSNorm's weight and epsilon), else
+def _norm(module: nn.Module, kernels: Bf16Kernels | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The RMSNorm on lockstep's kernels where they can read the module (LlamaRMSNorm's weight and epsilon), else
     the module's own forward (without module hooks)."""
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if kernel is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 \
+    if kernels is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 \
             or not isinstance(eps, float):
         return module.forward
-    return functools.partial(kernel.rms_norm, weight=weight.detach().contiguous(), eps=eps)
+    return functools.partial(kernels.rms_norm, weight=weight.detach().contiguous(), eps=eps)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

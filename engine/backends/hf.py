@@ -15,11 +15,11 @@ prompt attends to everything before it and costs many times one early on (on CPU
 costs every running stream a bounded gap per step, not one long stall.
 
 Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU run through
-fast_decode.py's forward (`fast_decode`, on by default), in about two thirds of the time; other
-models run the model's own forward. With one torch thread on a CPU with AVX512-BF16, its
-matmuls run on lockstep's kernel (native.py, `bf16_kernel`): each output row is computed the
-same way whatever the batch, about 1.4x faster again; elsewhere oneDNN computes them, and the
-fast forward gives the model's own numbers bit for bit.
+fast_decode.py's forward (`fast_decode`, on by default); other models run the model's own
+forward. With one torch thread on a CPU with AVX512-BF16, its matmuls, decode attention and
+norms run on lockstep's C kernels (native.py, `bf16_kernel`): every row computed the same way
+whatever the batch, a step in about half the time of oneDNN's (docs/benchmarks.md); elsewhere
+oneDNN computes the matmuls, and the fast forward gives the model's own numbers bit for bit.
 
 Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones
 it gets alone, bit for bit, whatever else runs. Its prompt chunks are planned from its own
@@ -49,8 +49,8 @@ from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
-from .native import Bf16Kernels, load_bf16_kernels
 from .kv_cache import SlotKVCache, use_slot_attention
+from .native import Bf16Kernels, load_bf16_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class HFBackend(Backend):
         self.slot_attention = use_slot_attention(self.model)
         # A lean decode step over the slot cache (fast_decode.py); None: the model's forward decodes.
         use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model)
-        kernel = self._bf16_kernel(config) if use_fast else None
-        self.fast_decoder = FastDecoder(self.model, kernel) if use_fast else None
+        kernels = self._bf16_kernels(config) if use_fast else None
+        self.fast_decoder = FastDecoder(self.model, kernels) if use_fast else None
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -127,12 +127,12 @@ class HFBackend(Backend):
                     self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
                     self._forward_name(), "on" if self.batch_invariant else "off")
 
-    def _bf16_kernel(self, config: EngineConfig) -> Bf16Kernels | None:
-        """lockstep's matmul kernel where it applies: it runs on one core, so only with one torch thread."""
+    def _bf16_kernels(self, config: EngineConfig) -> Bf16Kernels | None:
+        """lockstep's kernels where they apply: they run on one core, so only with one torch thread."""
         if not config.bf16_kernel or self.model.dtype != torch.bfloat16 or self.device.type != "cpu":
             return None
         if torch.get_num_threads() != 1:
-            logger.info("bf16 matmul kernel: %d torch threads; it runs on one, so oneDNN's matmul",
+            logger.info("bf16 kernels: %d torch threads, and they run on one; oneDNN's matmuls",
                         torch.get_num_threads())
             return None
         return load_bf16_kernels(config.cache_dir)
@@ -140,7 +140,7 @@ class HFBackend(Backend):
     def _forward_name(self) -> str:
         if self.fast_decoder is None:
             return "the model's forward"
-        return "fast forward, " + ("lockstep's bf16 matmul kernel" if self.fast_decoder.kernel else "oneDNN matmuls")
+        return "fast forward on " + ("lockstep's bf16 kernels" if self.fast_decoder.kernels else "oneDNN's matmuls")
 
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:

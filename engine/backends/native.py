@@ -8,6 +8,7 @@ fast forward keeps oneDNN's matmul. Nothing here runs at import time.
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ LINK_FLAGS = ("-lm",)
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})  # what those flags let it execute
 COMPILE_TIMEOUT_S = 120
 PROBE_ROWS = 33
+HUGE_PAGE_BYTES = 2 * 2**20
+ARENA_CHUNK_BYTES = 64 * 2**20  # packed weights are carved from regions of this size (the lm_head gets its own)
 
 
 class Bf16Kernels:
@@ -43,16 +46,20 @@ class Bf16Kernels:
         self._rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float]
         self._rms_norm.restype = None
         self.columns_per_block = library.lockstep_bf16_columns_per_block()
+        self._arena = _HugePageArena()
 
     def supports(self, weight: torch.Tensor) -> bool:
         return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
                 and weight.shape[0] % self.columns_per_block == 0 and weight.shape[1] % 2 == 0)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] -> [N / columns, K / 2, columns, 2]: the layout bf16_kernels.c streams through."""
+        """[N, K] -> [N / columns, K / 2, columns, 2]: the layout bf16_kernels.c streams through, in memory that
+        Linux may back with 2 MB pages (`_HugePageArena`)."""
         rows, depth = weight.shape
-        return (weight.detach().reshape(rows // self.columns_per_block, self.columns_per_block, depth // 2, 2)
-                .permute(0, 2, 1, 3).contiguous())
+        blocks = (weight.detach().reshape(rows // self.columns_per_block, self.columns_per_block, depth // 2, 2)
+                  .permute(0, 2, 1, 3))
+        packed = self._arena.take(blocks.numel() * blocks.element_size()).view(weight.dtype).view(blocks.shape)
+        return packed.copy_(blocks)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         depth = packed.shape[1] * 2
@@ -158,6 +165,37 @@ class Bf16Kernels:
         alone = all(torch.equal(self.linear(x[row:row + 1], packed), together[row:row + 1])
                     for row in range(PROBE_ROWS))
         return close and alone
+
+
+class _HugePageArena:
+    """Memory for packed weights that Linux may back with 2 MB pages (transparent huge pages on request, the
+    default mode): every decode step streams all the weights, and through 4 KB pages the core reads them more
+    slowly (measured on SmolLM2: a step of 1 row 22 -> 17 ms, of 8 rows 30 -> 25 ms). Where huge pages are not
+    offered, it is plain memory."""
+
+    def __init__(self):
+        self._free = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` bytes (a uint8 tensor), aligned to 64 bytes."""
+        aligned = -(-nbytes // 64) * 64
+        if self._free.numel() < aligned:
+            self._free = _huge_page_region(max(ARENA_CHUNK_BYTES, aligned))
+        taken, self._free = self._free[:nbytes], self._free[aligned:]
+        return taken
+
+
+def _huge_page_region(nbytes: int) -> torch.Tensor:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:  # a kernel without transparent huge pages
+        logger.debug("madvise(MADV_HUGEPAGE): %s", exc)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until the last view of it is gone
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start:start + nbytes]
 
 
 def load_bf16_kernels(cache_dir: str) -> Bf16Kernels | None:
