@@ -157,7 +157,8 @@ def breakdown_table(model, decoder: FastDecoder, name: str, batch: int, num_step
     for part, ms in spent.items():
         lines.append(f"| {part} | {ms:.1f} | {ms / instrumented:.0%} |")
     rest = max(0.0, instrumented - sum(spent.values()))
-    lines.append(f"| the rest: norms, SiLU, residual adds, embedding, Python | {rest:.1f} | {rest / instrumented:.0%} |")
+    lines.append(f"| the rest: norms, SiLU, residual adds, embedding, Python | {rest:.1f} "
+                 f"| {rest / instrumented:.0%} |")
     return lines
 
 

@@ -134,8 +134,8 @@ def test_decode_attention_on_the_slot_cache_agrees_with_the_torch_path(kernel):
 
 
 @GENERATED
-@given(rows=st.integers(1, 9), hidden=st.integers(1, 70).map(lambda n: 8 * n), scale=st.sampled_from([1e-3, 1.0, 300.0]),
-       seed=st.integers(0, 2 ** 16))
+@given(rows=st.integers(1, 9), hidden=st.integers(1, 70).map(lambda n: 8 * n),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2 ** 16))
 def test_generated_rms_norms_match_transformers_within_one_rounding(kernel, rows, hidden, scale, seed):
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, hidden, generator=generator) * scale).to(torch.bfloat16)
@@ -166,6 +166,8 @@ def test_it_refuses_inputs_it_cannot_read(kernel):
         kernel.decode_attention(query, slots[:, :, ::2], slots[:, :, ::2], torch.tensor([1, 1]), 1.0)
     with pytest.raises(ValueError):
         kernel.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="8 features"):
+        kernel.rms_norm(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16), 1e-5)
 
 
 @torch.inference_mode()

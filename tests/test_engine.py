@@ -72,7 +72,8 @@ def test_same_seed_same_sample_other_seed_other_sample(make_engine, smol_model_d
 
 
 @pytest.mark.parametrize("prompt", [
-    "Repeat exactly: 안녕하세요, 만나서 반갑습니다. 한국어로 대답해 주세요.",
+    # Korean on every path (float32, bfloat16 on oneDNN or on lockstep's kernels), cut mid-word by max_tokens
+    "Write the Korean greeting 안녕하세요 three times.",
     "Reply with many emoji only: 🎉🎊🍕👨‍👩‍👧‍👦🚀",
 ])
 def test_streamed_multibyte_text_has_no_replacement_chars(make_engine, smol_model_dir, prompt):

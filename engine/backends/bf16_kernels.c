@@ -1,16 +1,16 @@
-/* out[M, N] = x[M, K] @ W[N, K].T in bfloat16, accumulated in float32, on one core with AVX512-BF16.
+/* lockstep's bfloat16 kernels for one CPU core with AVX512-BF16: the weight matmul, the decode attention over the
+ * slot KV cache, and RMSNorm. Built and loaded by engine/backends/native.py (-O3 -mavx512f -mavx512bw -mavx512vl
+ * -mavx512bf16), which checks each against float64 before the engine uses it.
  *
- * Why: on one core a decode step is bound by reading the weights, and oneDNN's bfloat16 matmul reads them at
- * about 10 GB/s here, where a plain streaming loop reads about 16 (measured: bench.decode_profile, and
- * docs/benchmarks.md). This loop reads each weight once per call and does nothing else.
+ * Every kernel computes a row the same way whatever else the call holds: each output number is the same sums in the
+ * same order whatever M is and whichever rows share the call. So a row's result never depends on the batch or on
+ * how a prompt is chunked (batch invariance by construction), and decode steps and prompt chunks compute alike.
  *
- * Every output number is the same sum in the same order whatever M is and whichever rows share the call: out[m, n]
- * depends on x[m, :] and W[n, :] only. So a row's result never depends on the batch or on how a prompt is
- * chunked (batch invariance by construction), and decode steps and prompt chunks compute alike.
- *
- * The weight is packed once (native.py, `pack_weight`): [N / 32][K / 2][32 columns][2 k], so one 64-byte load
- * holds 16 output columns' pairs of k, the operand layout of vdpbf16ps. Requires N % 32 == 0 and K % 2 == 0.
- * Built by engine/backends/native.py with: -O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16. */
+ * The matmul: out[M, N] = x[M, K] @ W[N, K].T in bfloat16, accumulated in float32. On one core a decode step is
+ * bound by reading the weights, and oneDNN's bfloat16 matmul reads them at about 11 GB/s here, where a plain
+ * streaming loop reads about 17 (docs/benchmarks.md). This loop reads each weight once per call and does nothing
+ * else. The weight is packed once (native.py, `Bf16Kernels.pack`): [N / 32][K / 2][32 columns][2 k], so one 64-byte
+ * load holds 16 output columns' pairs of k, the operand layout of vdpbf16ps. Requires N % 32 == 0, K % 2 == 0. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -83,8 +83,9 @@ void lockstep_bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *o
  * query: [rows, kv_heads * group, head_dim]; keys, values: [slots, kv_heads, capacity, head_dim] (row r reads slot
  * r); lengths[r]: positions 0..lengths[r]-1 are attended; out: [rows, kv_heads * group, head_dim];
  * scratch: capacity + group * (capacity / 2 + 1) floats. head_dim % 32 == 0, head_dim <= 256, group <= 8.
- * Scores are float32 dot products (vdpbf16ps over bfloat16 queries and keys), scaled, then softmax in float32,
- * and the weighted sum of values accumulates in float32; only the result is rounded to bfloat16. */
+ * Scores are float32 dot products (vdpbf16ps over bfloat16 queries and keys), scaled, then softmax in float32; the
+ * weights are rounded to bfloat16 (as the torch path rounds them) and the weighted sum of values accumulates in
+ * float32, rounded to bfloat16 once at the end. */
 #define MAX_HEAD_VECTORS 16 /* head_dim / 16 */
 #define MAX_GROUP 8
 
@@ -105,11 +106,6 @@ static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 bf16_to_float(const uint16_t *source) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)source)), 16));
 }
 
 /* Sixteen vectors -> one: lane t holds the sum of vector t's lanes (a transpose-and-add tree, ~3 instructions a
@@ -135,11 +131,9 @@ static inline __m512 sum_each_of_16(const __m512 v[16]) {
 /* Scores of one query head against positions 0..length-1, scaled; returns their maximum. The first head of a
  * group also prefetches the keys a block ahead and the values it will weigh: a slot's keys and values come from
  * memory in short streams that the hardware prefetcher alone reads at about half speed (measured). */
-static inline __attribute__((always_inline)) float score_positions(const __m512bh *q, const uint16_t *keys,
-                                                                   const uint16_t *values, int prefetch,
-                                                                   int64_t length, int64_t head_dim,
-                                                                   int64_t pairs_vectors, float scaling,
-                                                                   float *scores) {
+static inline __attribute__((always_inline)) float score_positions(
+    const __m512bh *q, const uint16_t *keys, const uint16_t *values, int prefetch, int64_t length, int64_t head_dim,
+    int64_t pairs_vectors, float scaling, float *scores) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t t0 = 0; t0 < length; t0 += 16) {
         int64_t count = length - t0 < 16 ? length - t0 : 16;
@@ -188,9 +182,9 @@ static void softmax_to_pairs(float *scores, int64_t length, float maximum, uint3
     if (length % 2) halves[length] = 0;
 }
 
-static inline __attribute__((always_inline)) void attend_one_head_group(const uint16_t *query, const uint16_t *keys, const uint16_t *values,
-                                  uint16_t *out, int64_t length, int64_t head_dim, int64_t group, float scaling,
-                                  float *scores, uint32_t *pairs) {
+static inline __attribute__((always_inline)) void attend_one_head_group(
+    const uint16_t *query, const uint16_t *keys, const uint16_t *values, uint16_t *out, int64_t length,
+    int64_t head_dim, int64_t group, float scaling, float *scores, uint32_t *pairs) {
     const int64_t pairs_vectors = head_dim / 32; /* zmm of bfloat16 per head */
     const int64_t pair_count = (length + 1) / 2;
     for (int64_t g = 0; g < group; g++) {

@@ -1,9 +1,10 @@
-"""lockstep's C kernels for a bfloat16 decode step on one CPU core (bf16_kernels.c: the weight matmuls and the
-decode attention), built on first use with the system's C compiler into the cache folder and loaded with ctypes.
+"""lockstep's C kernels for a bfloat16 decode step on one CPU core (bf16_kernels.c: the weight matmuls, the
+decode attention, RMSNorm), built on first use with the system's C compiler into the cache folder and loaded with
+ctypes.
 
-It is used only where it can run and computes what it should: an x86 CPU with AVX512-BF16, a C compiler, and a
-probe against float64 when it loads. Otherwise `load_bf16_kernels` says why in the log and returns None, and the
-fast forward keeps oneDNN's matmul. Nothing here runs at import time.
+They are used only where they can run and compute what they should: an x86 CPU with AVX512-BF16, a C compiler,
+and probes against float64 when they load. Otherwise `load_bf16_kernels` says why in the log and returns None, and
+the fast forward keeps oneDNN's matmuls. Nothing here runs at import time.
 """
 import ctypes
 import hashlib
@@ -104,10 +105,11 @@ class Bf16Kernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' LlamaRMSNorm of x [..., hidden] (bfloat16; weight [hidden])."""
         hidden = weight.shape[0]
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous() \
+                or x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != hidden:
+            raise ValueError(f"rms_norm takes bfloat16 CPU inputs of {hidden} features and a contiguous bfloat16 "
+                             "weight")
         rows = x.reshape(-1, hidden).contiguous()
-        if rows.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous() \
-                or rows.device.type != "cpu" or weight.device.type != "cpu":
-            raise ValueError("rms_norm takes bfloat16 CPU inputs and a contiguous bfloat16 weight")
         out = torch.empty_like(rows)
         self._rms_norm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], hidden, eps)
         return out.view(x.shape)
@@ -199,26 +201,26 @@ def _huge_page_region(nbytes: int) -> torch.Tensor:
 
 
 def load_bf16_kernels(cache_dir: str) -> Bf16Kernels | None:
-    """The kernel, built into `cache_dir`/kernels if it is not there yet; None (and why, in the log) where it
-    cannot run here."""
+    """The kernels, built into `cache_dir`/kernels if they are not there yet; None (and why, in the log) where
+    they cannot run here."""
     missing = CPU_FLAGS - _cpu_flags()
     if missing:
-        logger.info("bf16 matmul kernel: this CPU lacks %s; oneDNN's matmul", ", ".join(sorted(missing)))
+        logger.info("bf16 kernels: this CPU lacks %s; oneDNN's matmuls", ", ".join(sorted(missing)))
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.info("bf16 matmul kernel: no C compiler (cc, gcc or $CC); oneDNN's matmul")
+        logger.info("bf16 kernels: no C compiler (cc, gcc or $CC); oneDNN's matmuls")
         return None
     try:
         library = ctypes.CDLL(str(_built_library(Path(cache_dir) / "kernels", compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("bf16 matmul kernel: could not build or load it (%s); oneDNN's matmul", exc)
+        logger.warning("bf16 kernels: could not build or load them (%s); oneDNN's matmuls", exc)
         return None
-    kernel = Bf16Kernels(library)
-    if not kernel.computes_correctly():
-        logger.warning("bf16 matmul kernel: its probe computed wrong numbers; oneDNN's matmul")
+    kernels = Bf16Kernels(library)
+    if not kernels.computes_correctly():
+        logger.warning("bf16 kernels: their probe computed wrong numbers; oneDNN's matmuls")
         return None
-    return kernel
+    return kernels
 
 
 def _built_library(folder: Path, compiler: str) -> Path:
@@ -232,12 +234,12 @@ def _built_library(folder: Path, compiler: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as building:
         built = Path(building) / target.name
-        done = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS], capture_output=True,
-                              text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        command = [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(built, target)
-    logger.info("bf16 matmul kernel built: %s", target)
+    logger.info("bf16 kernels built: %s", target)
     return target
 
 
