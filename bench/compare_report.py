@@ -350,9 +350,10 @@ class Report:
     def _busy_warning(self) -> list[str]:
         if not self.is_busy():
             return []
-        return [f"**This run shared the machine with other work** (load average {self.machine['load_average_at_start']:.1f} "
-                f"on {self.machine['cores']} cores when it started): servers that spin threads on every core (llama.cpp, vLLM) suffer "
-                "most, so the ratios are not to be quoted; run `make bench` on a quiet machine.", ""]
+        load, cores = self.machine["load_average_at_start"], self.machine["cores"]
+        return [f"**This run shared the machine with other work** (load average {load:.1f} on {cores} cores when it "
+                "started): servers that spin threads on every core (llama.cpp, vLLM) suffer most, so the ratios are "
+                "not to be quoted; run `make bench` on a quiet machine.", ""]
 
     def _ratio_part(self) -> list[str]:
         rows = ratio_table(self.results, self.plan)

@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from engine import EngineConfig
 from engine.backends import fast_decode
 from engine.backends.fast_decode import FastDecoder
-from engine.backends.native import load_bf16_kernels
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
+from engine.backends.native import load_bf16_kernels
 from engine.backends.sampler import TokenSampler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import ModelExecutor
@@ -219,11 +219,9 @@ def main() -> None:
         loaded = load_bf16_kernels(EngineConfig().cache_dir) if args.dtype == "bfloat16" else None
         kernels = FastDecoder(model, loaded) if loaded else None
         steps = step_table(model, fast, kernels, args.steps, args.skip_before)
-        breakdowns = []
-        for name, decoder in (("oneDNN", fast), ("lockstep's kernels", kernels)):
-            for batch in (8, 16):
-                if decoder is not None:
-                    breakdowns += breakdown_table(model, decoder, name, batch, args.steps) + [""]
+        decoders = [("oneDNN", fast)] + ([("lockstep's kernels", kernels)] if kernels else [])
+        breakdowns = [line for name, decoder in decoders for batch in (8, 16)
+                      for line in breakdown_table(model, decoder, name, batch, args.steps) + [""]]
     print(f"\n{args.dtype}, {args.threads} torch thread(s)\n")
     print("\n".join(steps + [""] + breakdowns + side))
 

@@ -44,7 +44,8 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512  # most prompt tokens fed per step
     prefill_step_target_s: float = 0.2  # beside running streams, prompt chunks sized to take about this long
     # hf: greedy output bit-identical to the request run alone, whatever else is in the batch (prompt chunks
-    # planned from the prompt alone, decode never at one row); costs about 1-3% (docs/benchmarks.md).
+    # planned from the prompt alone; on oneDNN's matmuls, decode never at one row); costs about 1-3%
+    # (docs/benchmarks.md).
     batch_invariant: bool = True
     # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_decode.py (fused
     # projections, no per-module overhead) instead of the model's forward (tests/test_fast_decode.py).

@@ -189,7 +189,7 @@ def test_a_finished_prompt_returns_its_first_token_before_the_streams_decode(smo
 @torch.inference_mode()
 def test_the_backend_gives_the_same_tokens_with_the_models_own_forward(smol_model_dir):
     """LOCKSTEP_FAST_DECODE=false: the model's forward decodes; every greedy token is the same as the fast
-    forward's with oneDNN's matmuls (lockstep's own kernel rounds differently: tests/test_bf16_kernel.py)."""
+    forward's with oneDNN's matmuls (lockstep's own kernels round differently: tests/test_bf16_kernels.py)."""
     requests = tuple(NewRequest(f"r{i}", tuple(prompt(8 + 9 * i, i)), WorkerSampling(max_tokens=20)) for i in range(3))
 
     def tokens(fast_decode: bool) -> dict[str, list[int]]:
