@@ -7,10 +7,11 @@ Three tables, in one process so the ratios compare even on a busy machine:
    backend started from (a DynamicCache concatenated every step, rows left-padded to the longest, a
    2-D mask grown by a column per step, SDPA attention), the slot KV cache through the model's
    forward, and the slot KV cache through the fast forward (engine/backends/fast_decode.py) on
-   oneDNN's matmuls and on lockstep's kernels (engine/backends/bf16_kernels.c, the default where
-   the CPU has AVX512-BF16);
-2. fast steps (batch 8 and 16, context 256) split into their parts: the weight matmuls, attention,
-   cache writes, the rotary embedding, and the rest (norms, SiLU, adds, Python);
+   oneDNN's matmuls and on lockstep's kernels (engine/backends/bf16_kernels.c, where the CPU has
+   AVX512-BF16): layer by layer from Python, the whole step in one C call, and that call sharing
+   its matmuls with the kernels' helper thread (the default);
+2. the layer-by-layer steps (batch 8 and 16, context 256) split into their parts: the weight
+   matmuls, attention, cache writes, the rotary embedding, and the rest (norms, SiLU, adds, Python);
 3. the per-token costs outside the forward: the sampler per row, the worker round-trip (a
    forked worker's echo), the parent's incremental detokenizer.
 Times are wall-clock medians with the process CPU time beside them: when the CPU time is much
@@ -104,29 +105,26 @@ def padded_stepper(model, batch: int, context: int):
     return step
 
 
-def step_table(model, fast: FastDecoder, kernels: FastDecoder | None, num_steps: int,
-               skip_before: bool) -> list[str]:
-    lines = ["| batch | context | before: ms/step (CPU ms) | tok/s | slots, model's forward: ms/step (CPU ms) "
-             "| tok/s | fast forward, oneDNN: ms/step (CPU ms) | tok/s | fast forward, lockstep's kernels: "
-             "ms/step (CPU ms) | tok/s | default vs before | default vs model's forward |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    nothing = (float("nan"), float("nan"))
+def step_table(model, decoders: list[tuple[str, FastDecoder]], num_steps: int, skip_before: bool) -> list[str]:
+    """ms per step of the design the backend started from, of the model's forward over the slot cache, and of
+    each fast forward in `decoders` (the default last)."""
+    names = ["before", "slots, model's forward"] + [name for name, _ in decoders]
+    lines = ["| batch | context | " + " | ".join(f"{name}: ms/step (CPU ms) | tok/s" for name in names)
+             + " | default vs before | default vs model's forward |",
+             "|---:|---:|" + "---:|---:|" * len(names) + "---:|---:|"]
     for batch in BATCHES:
         for context in CONTEXTS:
-            before = nothing
+            times = [(float("nan"), float("nan"))]
             if not skip_before:
                 model.set_attn_implementation("sdpa")
-                before = timed(padded_stepper(model, batch, context), num_steps)
+                times = [timed(padded_stepper(model, batch, context), num_steps)]
             use_slot_attention(model)
-            slots = timed(slot_stepper(model, batch, context), num_steps)
-            on_onednn = timed(slot_stepper(model, batch, context, fast), num_steps)
-            on_kernels = timed(slot_stepper(model, batch, context, kernels), num_steps) if kernels else nothing
-            default = on_kernels if kernels else on_onednn
-            lines.append(f"| {batch} | {context} | {before[0]:.1f} ({before[1]:.1f}) | {batch / before[0] * 1e3:.0f} "
-                         f"| {slots[0]:.1f} ({slots[1]:.1f}) | {batch / slots[0] * 1e3:.0f} "
-                         f"| {on_onednn[0]:.1f} ({on_onednn[1]:.1f}) | {batch / on_onednn[0] * 1e3:.0f} "
-                         f"| {on_kernels[0]:.1f} ({on_kernels[1]:.1f}) | {batch / on_kernels[0] * 1e3:.0f} "
-                         f"| {before[0] / default[0]:.2f}x | {slots[0] / default[0]:.2f}x |")
+            times += [timed(slot_stepper(model, batch, context, decoder), num_steps)
+                      for decoder in [None] + [decoder for _, decoder in decoders]]
+            cells = " | ".join(f"{wall:.1f} ({cpu:.1f}) | {batch / wall * 1e3:.0f}" for wall, cpu in times)
+            default = times[-1][0]
+            lines.append(f"| {batch} | {context} | {cells} | {times[0][0] / default:.2f}x "
+                         f"| {times[1][0] / default:.2f}x |")
             logger.info(lines[-1])
     return lines
 
@@ -152,7 +150,7 @@ def breakdown_table(model, decoder: FastDecoder, name: str, batch: int, num_step
                                                                                     spent, part)))
         instrumented, _ = timed(step, num_steps)
     spent = {part: seconds / (num_steps + 2) * 1e3 for part, seconds in spent.items()}  # timed() warms up twice
-    lines = [f"The fast forward on {name}, batch {batch}, context 256: {wall:.1f} ms per step "
+    lines = [f"{name}, batch {batch}, context 256: {wall:.1f} ms per step "
              f"({instrumented:.1f} instrumented).", "", "| part | ms per step | share |", "|---|---:|---:|"]
     for part, ms in spent.items():
         lines.append(f"| {part} | {ms:.1f} | {ms / instrumented:.0%} |")
@@ -215,12 +213,17 @@ def main() -> None:
     with torch.inference_mode():
         side = side_costs(model_path, model, args.dtype)
         torch.set_num_threads(args.threads)
-        fast = FastDecoder(model)  # fuses the model's projections (views: its forward computes the same)
+        # Each fuses the model's projections (views: its forward computes the same).
+        decoders = [("fast forward, oneDNN", FastDecoder(model))]
         loaded = load_bf16_kernels(EngineConfig().cache_dir) if args.dtype == "bfloat16" else None
-        kernels = FastDecoder(model, loaded) if loaded else None
-        steps = step_table(model, fast, kernels, args.steps, args.skip_before)
-        decoders = [("oneDNN", fast)] + ([("lockstep's kernels", kernels)] if kernels else [])
-        breakdowns = [line for name, decoder in decoders for batch in (8, 16)
+        if loaded:
+            helper_rows = EngineConfig().kernel_helper_rows
+            decoders += [("kernels, layer by layer", FastDecoder(model, loaded, whole_step_in_c=False)),
+                         ("kernels, one call", FastDecoder(model, loaded)),
+                         (f"kernels, one call, helper up to {helper_rows} rows (default)",
+                          FastDecoder(model, loaded, helper_rows))]
+        steps = step_table(model, decoders, args.steps, args.skip_before)
+        breakdowns = [line for name, decoder in decoders[:2] for batch in (8, 16)  # the per-layer Python ones
                       for line in breakdown_table(model, decoder, name, batch, args.steps) + [""]]
     print(f"\n{args.dtype}, {args.threads} torch thread(s)\n")
     print("\n".join(steps + [""] + breakdowns + side))

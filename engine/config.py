@@ -55,6 +55,9 @@ class EngineConfig:
     # instead of oneDNN's matmuls, whose numbers the model's own forward gives bit for bit. Rounding differs from
     # oneDNN's, accuracy alike (tests/test_bf16_kernels.py).
     bf16_kernel: bool = True
+    # On those kernels, decode steps of at most this many rows share their weight matmuls with a helper thread,
+    # on the core left to the server (0: never).
+    kernel_helper_rows: int = 16
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
@@ -78,8 +81,8 @@ class EngineConfig:
                      "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.threads < 0 or self.max_model_len < 0:
-            raise ValueError("threads and max_model_len must be >= 0")
+        if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0:
+            raise ValueError("threads, max_model_len and kernel_helper_rows must be >= 0")
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
                                                   self.request_timeout_s, self.prefill_step_target_s)):
             raise ValueError("timeouts must be positive")

@@ -3,8 +3,11 @@ RMSNorm): built with the machine's compiler; within bfloat16's rounding of the e
 weights and on generated shapes; each row the same alone as in any batch; the fast forward on them as accurate as on
 oneDNN's matmul; and every way they can be unavailable falls back to oneDNN."""
 import logging
+import multiprocessing
+import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -197,6 +200,7 @@ def test_the_backend_decodes_on_the_kernels_by_default_here(smol_model_dir):
     assert backend.fast_decoder is not None and backend.fast_decoder.kernels is not None
     assert all(layer.qkv.kernels is not None for layer in backend.fast_decoder.layers)
     assert backend.fast_decoder.rows_independent  # so a lone row decodes alone (test_batch_invariance checks it)
+    assert backend.fast_decoder.stack is not None and backend.fast_decoder.share_matmuls_rows == 16
     backend.close()
     with_two_threads = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=2),
                                  smol_model_dir)
@@ -262,3 +266,149 @@ def mapping_huge_page_kb(address: int) -> int:
             elif inside and fields[0] == "AnonHugePages:":
                 return int(fields[1])
     return 0
+
+
+def prefilled_slots(decoder: FastDecoder, config, prompts: list[list[int]]) -> tuple[SlotKVCache, torch.Tensor]:
+    """A slot cache holding `prompts` (prefilled one by one), and each row's first token."""
+    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.bfloat16,
+                        torch.device("cpu"))
+    first_tokens = []
+    for prompt in prompts:
+        prompt_cache = DynamicCache(config=config)
+        logits = decoder.prefill(torch.tensor(prompt), 0, prompt_cache)
+        cache.add_row([(layer.keys, layer.values) for layer in prompt_cache.layers], len(prompt))
+        first_tokens.append(int(logits.argmax()))
+    return cache, torch.tensor(first_tokens)
+
+
+@torch.inference_mode()
+def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smol_model_dir):
+    """bf16_kernels.c's decode step (every layer, the final norm and the lm_head in one call, alone or with its
+    helper thread) against fast_decode's layer-by-layer Python on the same kernels: the same logits and the same
+    keys and values, bit for bit, for 1 to 12 rows whose lengths cross a page of the slot cache."""
+    model = load(smol_model_dir, torch.bfloat16)
+    decoder = FastDecoder(model, kernels)
+    assert decoder.stack is not None
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist()
+               for length in (60, 5, 63, 17, 1, 33, 58, 2, 40, 61, 9, 64)]
+    stack = decoder.stack
+    for rows in (1, 3, 12):
+        runs = {}
+        for mode in ("layer by layer", "one call", "one call with the helper"):
+            decoder.stack = None if mode == "layer by layer" else stack
+            decoder.share_matmuls_rows = 16 if mode.endswith("helper") else 0
+            cache, tokens = prefilled_slots(decoder, model.config, prompts[:rows])
+            logits = []
+            for _ in range(6):  # rows of 60-64 tokens grow past the first page of 64 positions
+                position_ids, mask = cache.prepare_decode()
+                logits.append(decoder.decode(tokens[:, None], position_ids, mask, cache))
+                cache.finish_decode()
+                tokens = logits[-1].argmax(-1)
+            runs[mode] = logits, cache
+        expected_logits, expected_cache = runs["layer by layer"]
+        for mode, (logits, cache) in runs.items():
+            assert all(torch.equal(got, expected) for got, expected in zip(logits, expected_logits)), (rows, mode)
+            assert all(torch.equal(got, expected) for got, expected in zip(cache.keys + cache.values,
+                                                                            expected_cache.keys + expected_cache.values))
+    decoder.stack = stack
+
+
+def tiny_stack(kernels, generator: torch.Generator) -> native.DecoderStack:
+    """Two random layers: hidden 64, 2 query heads and 1 KV head of 32, intermediate 96, vocabulary 128."""
+    def weight(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.2).to(torch.bfloat16)
+    layers = [native.LayerWeights(weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), kernels.pack(weight(64, 64)),
+                                  weight(64) + 1, 1e-6, kernels.pack(weight(192, 64)), kernels.pack(weight(64, 96)))
+              for _ in range(2)]
+    return native.DecoderStack(layers, weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), 2, 1, 32)
+
+
+def tiny_step(kernels, stack, share: bool, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(rows, 64, generator=generator).to(torch.bfloat16)
+    keys = [torch.randn(4, 1, 64, 32, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    values = [torch.randn(4, 1, 64, 32, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    angles = torch.randn(rows, 32, generator=generator)
+    logits = kernels.decode_step(stack, hidden, torch.tensor([63, 0, 30, 7][:rows]), angles.cos().to(torch.bfloat16),
+                                 angles.sin().to(torch.bfloat16), keys, values, share_matmuls=share)
+    return logits, torch.stack(keys + values)
+
+
+def _step_in_child(kernels, stack, results, one_cpu: bool) -> None:
+    if one_cpu:  # the caller and its helper (made after this, so it inherits it) on one CPU: they preempt each other
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    results.put([[tensor.tolist() for tensor in tiny_step(kernels, stack, share=True)] for _ in range(30)])
+
+
+def test_the_helper_thread_survives_a_fork_and_a_second_caller(kernels):
+    """The model worker is forked from a process that may have used the helper (the child has its memory, not
+    its thread); the helper may be off its core whenever the kernel likes (here: one CPU for both threads); and
+    ctypes lets two Python threads into the kernels at once. Every step still ends, with the same numbers."""
+    stack = tiny_stack(kernels, torch.Generator().manual_seed(2))
+    expected = tiny_step(kernels, stack, share=False)
+    assert all(torch.equal(got, want) for got, want in zip(tiny_step(kernels, stack, share=True), expected))
+    context = multiprocessing.get_context("fork")
+    for one_cpu in (False, True):
+        results = context.Queue()
+        child = context.Process(target=_step_in_child, args=(kernels, stack, results, one_cpu))
+        child.start()
+        from_child = results.get(timeout=120)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert all(torch.equal(torch.tensor(got, dtype=torch.bfloat16), want)
+                   for step in from_child for got, want in zip(step, expected)), one_cpu
+    outcomes = []
+
+    def caller():
+        outcomes.extend(all(torch.equal(got, want) for got, want in zip(tiny_step(kernels, stack, share=True),
+                                                                        expected)) for _ in range(200))
+    threads = [threading.Thread(target=caller) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert outcomes == [True] * 400
+
+
+def test_the_decode_step_refuses_what_it_cannot_read(kernels):
+    generator = torch.Generator().manual_seed(3)
+    stack = tiny_stack(kernels, generator)
+    hidden, cos = torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(2, 32, dtype=torch.bfloat16)
+    slots = [torch.zeros(2, 1, 16, 32, dtype=torch.bfloat16) for _ in range(2)]
+    kernels.decode_step(stack, hidden.clone(), torch.tensor([15, 0]), cos, cos, slots, slots)  # fits
+    for positions in ([16, 0], [-1, 0], [0]):  # past the slot, before it, a row without one
+        with pytest.raises(ValueError, match="position"):
+            kernels.decode_step(stack, hidden.clone(), torch.tensor(positions), cos, cos, slots, slots)
+    with pytest.raises(ValueError, match="slot caches"):  # more rows than slots
+        kernels.decode_step(stack, torch.ones(3, 64, dtype=torch.bfloat16), torch.tensor([0, 0, 0]),
+                            torch.ones(3, 32, dtype=torch.bfloat16), torch.ones(3, 32, dtype=torch.bfloat16), slots,
+                            slots)
+    with pytest.raises(ValueError, match="one contiguous"):  # a layer's cache missing, a strided one
+        kernels.decode_step(stack, hidden.clone(), torch.tensor([0, 0]), cos, cos, slots[:1], slots)
+    with pytest.raises(ValueError, match="one contiguous"):
+        kernels.decode_step(stack, hidden.clone(), torch.tensor([0, 0]), cos, cos, slots,
+                            [slot[:, :, ::2] for slot in slots])
+    with pytest.raises(ValueError, match="rotary"):
+        kernels.decode_step(stack, hidden.clone(), torch.tensor([0, 0]), cos[:, :16], cos[:, :16], slots, slots)
+    layer = native.LayerWeights(torch.ones(64, dtype=torch.bfloat16), 1e-5, kernels.pack(torch.ones(96, 64).bfloat16()),
+                                kernels.pack(torch.ones(64, 64).bfloat16()), torch.ones(64, dtype=torch.bfloat16), 1e-5,
+                                kernels.pack(torch.ones(192, 64).bfloat16()), kernels.pack(torch.ones(64, 96).bfloat16()))
+    with pytest.raises(ValueError, match="shapes"):  # q/k/v of 96 rows where 2 + 2 x 1 heads of 32 need 128
+        native.DecoderStack([layer], torch.ones(64, dtype=torch.bfloat16), 1e-5,
+                            kernels.pack(torch.ones(128, 64).bfloat16()), 2, 1, 32)
+
+
+def test_swiglu_matches_torch_within_one_rounding(kernels):
+    """silu(gate) * up as the decode step computes it, against torch's bfloat16 ops: the kernels' exp differs
+    from torch's in float32's last bits, so a rare value rounds to the neighbouring bfloat16."""
+    generator = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(7, 2 * 1536, generator=generator)
+               * torch.tensor([1e-3, 1.0, 8.0, 100.0]).repeat_interleave(2 * 1536 // 4)).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    got = kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert ((got.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7).all()
+    assert (got == expected).float().mean() > 0.99
+    assert torch.equal(kernels.silu_mul(gate_up[3]), got[3])

@@ -2,10 +2,11 @@
 it than transformers' forward, on one of two kinds of kernels:
 
 - lockstep's C kernels (native.py, bf16_kernels.c), where they run: bfloat16, one torch thread, a CPU with
-  AVX512-BF16 and a C compiler. The weight matmuls, the decode attention over the slot cache and the RMSNorms;
-  each streams its data once, and every row is computed the same way whatever else the step holds. A decode step
-  takes about half the time of the oneDNN path (docs/benchmarks.md); the numbers differ from transformers' by
-  rounding only (tests/test_bf16_kernels.py: as close to float32 as oneDNN's).
+  AVX512-BF16 and a C compiler. The weight matmuls, the decode attention over the slot cache, the RMSNorms and
+  SwiGLU; each streams its data once, and every row is computed the same way whatever else the step holds. A
+  decode step is then one C call (every layer, the final norm, the lm_head; its matmuls shared with the kernels'
+  helper thread), about a third of the oneDNN path's time (docs/benchmarks.md); the numbers differ from
+  transformers' by rounding only (tests/test_bf16_kernels.py: as close to float32 as oneDNN's).
 - oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/test_fast_decode.py).
   oneDNN reads bfloat16 weights in their plain layout at about a third of the memory bandwidth (every layer's
   weights, 212 MB, one thread: 28 ms at 1 row and 51 ms at 16 rows), so each weight is reordered once into its
@@ -28,7 +29,6 @@ Used for bfloat16 on CPU (in float32, MKL computes one row differently from seve
 differently from its parts, so fusing would change the numbers there). Models this does not understand (biases,
 other activations or norms, no rotary module) keep the model's forward too.
 """
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache, one_query_attention
-from .native import Bf16Kernels
+from .native import Bf16Kernels, DecoderStack, LayerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,19 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class KernelNorm:
+    """transformers' LlamaRMSNorm on lockstep's kernels."""
+    kernels: Bf16Kernels
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
 class _Layer:
-    input_norm: Callable[[torch.Tensor], torch.Tensor]  # the model's RMSNorm (`_norm`)
+    input_norm: Callable[[torch.Tensor], torch.Tensor]  # the model's RMSNorm, or a KernelNorm (`_norm`)
     qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     out: Linear  # [hidden, heads * head_dim]
     post_norm: Callable[[torch.Tensor], torch.Tensor]
@@ -85,7 +96,8 @@ class _Layer:
 class FastDecoder:
     """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
-    def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None):
+    def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None, share_matmuls_rows: int = 0,
+                 whole_step_in_c: bool = True):
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -106,7 +118,14 @@ class FastDecoder:
                                    for linear in (layer.qkv, layer.out, layer.gate_up, layer.down))]
         norms = [self.final_norm, *(norm for layer in self.layers for norm in (layer.input_norm, layer.post_norm))]
         self.rows_independent = (self.attention_on_kernels and all(linear.kernels for linear in linears)
-                                 and all(isinstance(norm, functools.partial) for norm in norms))
+                                 and all(isinstance(norm, KernelNorm) for norm in norms))
+        # Where every part is on the kernels, a decode step is one C call (`whole_step_in_c`): every layer, the
+        # final norm and the lm_head, the same numbers as `_layer` on the kernels bit for bit, without its ~20
+        # torch calls per layer; steps of at most `share_matmuls_rows` rows share their matmuls with the kernels'
+        # helper thread.
+        self.stack = _decoder_stack(self.layers, self.final_norm, self.lm_head, self.num_heads, self.num_kv_heads,
+                                    self.head_dim) if self.rows_independent and whole_step_in_c else None
+        self.share_matmuls_rows = share_matmuls_rows
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
 
@@ -125,6 +144,9 @@ class FastDecoder:
         `cache.prepare_decode`. Returns the logits [B, V]."""
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
+        if self.stack is not None:
+            return self.kernels.decode_step(self.stack, hidden, position_ids[:, 0], cos[:, 0], sin[:, 0], cache.keys,
+                                            cache.values, share_matmuls=len(hidden) <= self.share_matmuls_rows)
         lengths = position_ids[:, 0] + 1 if self.attention_on_kernels else None  # the kernels' mask: positions 0..p
         for index, layer in enumerate(self.layers):
             hidden = self._layer(hidden, layer, cos, sin, attention_mask, lengths, cache, index)
@@ -175,13 +197,16 @@ class FastDecoder:
         rotated = _rotate(heads[:, :self.num_heads + self.num_kv_heads], cos, sin)  # queries and keys at once
         return rotated[:, :self.num_heads], rotated[:, self.num_heads:], heads[:, self.num_heads + self.num_kv_heads:]
 
-    @staticmethod
-    def _feed_forward(hidden, attended, layer: _Layer) -> torch.Tensor:
+    def _feed_forward(self, hidden, attended, layer: _Layer) -> torch.Tensor:
         """The rest of the layer after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         hidden = hidden + layer.out(attended)
-        normed = layer.post_norm(hidden)
-        gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-        return hidden + layer.down(torch.nn.functional.silu(gate) * up)
+        gate_up = layer.gate_up(layer.post_norm(hidden))
+        if self.rows_independent:  # the fused decode's SwiGLU, so prompt chunks compute as decode steps
+            activated = self.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = torch.nn.functional.silu(gate) * up
+        return hidden + layer.down(activated)
 
     def _attention(self, query, keys, values, attention_mask, lengths) -> torch.Tensor:
         """One query token per row ([B, heads, head_dim]) over its slot: on lockstep's kernels where they run
@@ -209,7 +234,20 @@ def _norm(module: nn.Module, kernels: Bf16Kernels | None) -> Callable[[torch.Ten
     if kernels is None or not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 \
             or not isinstance(eps, float):
         return module.forward
-    return functools.partial(kernels.rms_norm, weight=weight.detach().contiguous(), eps=eps)
+    return KernelNorm(kernels, weight.detach().contiguous(), eps)
+
+
+def _decoder_stack(layers: list[_Layer], final_norm: KernelNorm, lm_head: Linear, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> DecoderStack | None:
+    weights = [LayerWeights(layer.input_norm.weight, layer.input_norm.eps, layer.qkv.packed, layer.out.packed,
+                            layer.post_norm.weight, layer.post_norm.eps, layer.gate_up.packed, layer.down.packed)
+               for layer in layers]
+    try:
+        return DecoderStack(weights, final_norm.weight, final_norm.eps, lm_head.packed, num_heads, num_kv_heads,
+                            head_dim)
+    except ValueError as exc:
+        logger.info("decode steps layer by layer: %s", exc)
+        return None
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

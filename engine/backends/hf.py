@@ -110,7 +110,7 @@ class HFBackend(Backend):
         # A lean decode step over the slot cache (fast_decode.py); None: the model's forward decodes.
         use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model)
         kernels = self._bf16_kernels(config) if use_fast else None
-        self.fast_decoder = FastDecoder(self.model, kernels) if use_fast else None
+        self.fast_decoder = FastDecoder(self.model, kernels, config.kernel_helper_rows) if use_fast else None
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -140,7 +140,14 @@ class HFBackend(Backend):
     def _forward_name(self) -> str:
         if self.fast_decoder is None:
             return "the model's forward"
-        return "fast forward on " + ("lockstep's bf16 kernels" if self.fast_decoder.kernels else "oneDNN's matmuls")
+        decoder = self.fast_decoder
+        if decoder.kernels is None:
+            return "fast forward on oneDNN's matmuls"
+        if decoder.stack is None:
+            return "fast forward on lockstep's bf16 kernels, layer by layer"
+        helper = f"shared with a helper thread up to {decoder.share_matmuls_rows} rows" \
+            if decoder.share_matmuls_rows else "on one thread"
+        return f"fast forward on lockstep's bf16 kernels, a decode step in one call, its matmuls {helper}"
 
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:

@@ -1,6 +1,6 @@
-"""lockstep's C kernels for a bfloat16 decode step on one CPU core (bf16_kernels.c: the weight matmuls, the
-decode attention, RMSNorm), built on first use with the system's C compiler into the cache folder and loaded with
-ctypes.
+"""lockstep's C kernels for a bfloat16 decode step (bf16_kernels.c: the weight matmuls, the decode attention,
+RMSNorm, SwiGLU, and a whole decode step in one call, its matmuls shared with a helper thread), built on first use
+with the system's C compiler into the cache folder and loaded with ctypes.
 
 They are used only where they can run and compute what they should: an x86 CPU with AVX512-BF16, a C compiler,
 and probes against float64 when they load. Otherwise `load_bf16_kernels` says why in the log and returns None, and
@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_kernels.c")
 COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
-LINK_FLAGS = ("-lm",)
+LINK_FLAGS = ("-lm", "-pthread")
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})  # what those flags let it execute
 COMPILE_TIMEOUT_S = 120
 PROBE_ROWS = 33
@@ -46,6 +47,13 @@ class Bf16Kernels:
         self._rms_norm = library.lockstep_bf16_rms_norm
         self._rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float]
         self._rms_norm.restype = None
+        self._silu_mul = library.lockstep_bf16_silu_mul
+        self._silu_mul.argtypes = [pointer, pointer, size, size]
+        self._silu_mul.restype = None
+        self._decode_step = library.lockstep_bf16_decode_step
+        self._decode_step.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, pointer,
+                                      pointer, pointer, ctypes.c_float, pointer, ctypes.c_int]
+        self._decode_step.restype = ctypes.c_int
         self.columns_per_block = library.lockstep_bf16_columns_per_block()
         self._arena = _HugePageArena()
 
@@ -114,9 +122,62 @@ class Bf16Kernels:
         self._rms_norm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.shape[0], hidden, eps)
         return out.view(x.shape)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [..., 2 * intermediate] (gate first), as torch computes it on bfloat16."""
+        width = gate_up.shape[-1]
+        if gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu" or width % 32:
+            raise ValueError("silu_mul takes bfloat16 CPU inputs of a width that is a multiple of 32")
+        rows = gate_up.reshape(-1, width).contiguous()
+        out = torch.empty((rows.shape[0], width // 2), dtype=torch.bfloat16)
+        self._silu_mul(rows.data_ptr(), out.data_ptr(), rows.shape[0], width // 2)
+        return out.view(*gate_up.shape[:-1], width // 2)
+
+    def decode_step(self, stack: "DecoderStack", hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    share_matmuls: bool = False) -> torch.Tensor:
+        """One decode step through every layer of `stack`, its final norm and lm_head: the logits [rows,
+        vocabulary] of hidden [rows, hidden] (bfloat16, the embedded tokens; overwritten). Row r feeds position
+        positions[r] (int64) of slot r of each layer's keys and values [slots, kv_heads, capacity, head_dim],
+        rotated by cos and sin [rows, head_dim]. `share_matmuls`: with the kernels' helper thread (the second
+        core; for steps of few rows, which are bound by reading the weights)."""
+        rows = hidden.shape[0]
+        if not (_is_bf16_cpu(hidden, cos, sin) and hidden.shape == (rows, stack.hidden)
+                and cos.shape == sin.shape == (rows, stack.head_dim)):
+            raise ValueError("decode_step: hidden states or rotary tables of the wrong shape or kind")
+        if len(keys) != stack.num_layers or len(values) != stack.num_layers or not _is_bf16_cpu(*keys, *values):
+            raise ValueError("decode_step: one contiguous bfloat16 slot cache per layer")
+        slots, num_kv_heads, capacity, head_dim = keys[0].shape
+        if slots < rows or (num_kv_heads, head_dim) != (stack.num_kv_heads, stack.head_dim) \
+                or any(tensor.shape != keys[0].shape for tensor in (*keys, *values)):
+            raise ValueError("decode_step: slot caches that do not fit the model or the rows")
+        if positions.dtype != torch.int64 or positions.shape != (rows,) \
+                or (rows and not bool(((positions >= 0) & (positions < capacity)).all())):
+            raise ValueError("decode_step: a position outside the slots' capacity")
+        dims = (ctypes.c_int64 * 7)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+                                    stack.intermediate, capacity, stack.vocabulary)
+        key_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in keys))
+        value_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in values))
+        positions = positions.contiguous()
+        logits = torch.empty((rows, stack.vocabulary), dtype=torch.bfloat16)
+        if self._decode_step(dims, stack.num_layers, stack.weights, stack.eps, key_pointers, value_pointers,
+                             hidden.data_ptr(), rows, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             stack.scaling, logits.data_ptr(), int(share_matmuls)):
+            raise MemoryError("decode_step: no memory for the step's scratch buffers")
+        return logits
+
     def computes_correctly(self) -> bool:
         return (self._linear_computes_correctly() and self._attention_computes_correctly()
-                and self._rms_norm_computes_correctly())
+                and self._rms_norm_computes_correctly() and self._silu_mul_computes_correctly())
+
+    def _silu_mul_computes_correctly(self) -> bool:
+        """A probe against float64: silu(gate) * up within two bfloat16 roundings, and each row the same alone."""
+        generator = torch.Generator().manual_seed(0)
+        gate_up = (torch.randn(3, 64, generator=generator) * 4).to(torch.bfloat16)
+        together = self.silu_mul(gate_up)
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        exact = torch.nn.functional.silu(gate) * up
+        close = bool(((together.double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-30).all())
+        return close and all(torch.equal(self.silu_mul(gate_up[row]), together[row]) for row in range(3))
 
     def _rms_norm_computes_correctly(self) -> bool:
         """A probe against transformers' formula: within one bfloat16 rounding, and each row the same alone."""
@@ -167,6 +228,66 @@ class Bf16Kernels:
         alone = all(torch.equal(self.linear(x[row:row + 1], packed), together[row:row + 1])
                     for row in range(PROBE_ROWS))
         return close and alone
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One Llama-shaped decoder layer for `DecoderStack`: the norms' weights, the packed matmul weights."""
+    input_norm: torch.Tensor
+    input_eps: float
+    qkv: torch.Tensor
+    out: torch.Tensor
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class DecoderStack:
+    """A model's weights as `Bf16Kernels.decode_step` reads them (pointers into tensors it keeps): every decoder
+    layer's, the final norm's and the packed lm_head."""
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, final_eps: float, lm_head: torch.Tensor,
+                 num_heads: int, num_kv_heads: int, head_dim: int):
+        first = layers[0]
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = len(layers), num_heads, num_kv_heads, \
+            head_dim
+        self.hidden = first.input_norm.shape[0]
+        self.intermediate = first.gate_up.shape[0] * first.gate_up.shape[2] // 2  # packed [N / 32, K / 2, 32, 2]
+        self.vocabulary = (_packed_dims(lm_head) or (0,))[0]
+        self.scaling = head_dim ** -0.5
+        expected = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, self.hidden),
+                    "out": (self.hidden, num_heads * head_dim), "gate_up": (2 * self.intermediate, self.hidden),
+                    "down": (self.hidden, self.intermediate)}
+        if not (Bf16Kernels.supports_attention(num_heads, num_kv_heads, head_dim) and self.hidden % 32 == 0
+                and (num_heads * head_dim) % 32 == 0 and self.intermediate % 16 == 0
+                and all(_is_bf16_cpu(layer.input_norm, layer.post_norm, *(getattr(layer, name) for name in expected))
+                        and layer.input_norm.shape == layer.post_norm.shape == (self.hidden,)
+                        and all(_packed_dims(getattr(layer, name)) == dims for name, dims in expected.items())
+                        for layer in layers)
+                and _is_bf16_cpu(final_norm, lm_head) and final_norm.shape == (self.hidden,)
+                and _packed_dims(lm_head) == (self.vocabulary, self.hidden)):
+            raise ValueError("decode_step cannot run this model: shapes it does not take")
+        tensors = [tensor for layer in layers for tensor in (layer.input_norm, layer.qkv, layer.out,
+                                                              layer.post_norm, layer.gate_up, layer.down)]
+        tensors += [final_norm, lm_head]
+        self._tensors = tensors  # what the pointers below point into
+        self.weights = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+        epsilons = [eps for layer in layers for eps in (layer.input_eps, layer.post_eps)] + [final_eps]
+        self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
+
+
+def _packed_dims(packed: torch.Tensor) -> tuple[int, ...]:
+    """(N, K) of a weight packed by `Bf16Kernels.pack`, [N / 32, K / 2, 32, 2]."""
+    if packed.dim() != 4:
+        return ()
+    blocks, pairs, columns, two = packed.shape
+    return (blocks * columns, pairs * two) if two == 2 else ()
+
+
+def _is_bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu" and tensor.is_contiguous()
+               for tensor in tensors)
 
 
 class _HugePageArena:
