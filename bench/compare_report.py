@@ -395,11 +395,14 @@ class Report:
             f"the copy rate above, that is about {m['bf16_weights_mb'] / copy_gb_s:.0f} ms and "
             f"{m['gguf_weights_mb'] / copy_gb_s:.0f} ms per step, roughly {copy_gb_s * 1e3 / m['bf16_weights_mb']:.0f}"
             f" and {copy_gb_s * 1e3 / m['gguf_weights_mb']:.0f} tokens/s for one sequence (plain reads run somewhat "
-            "faster than a copy): llama.cpp's lead at one client is mostly its smaller weights.",
+            "faster than a copy): at one client llama.cpp's 4-bit weights give it the higher ceiling, and a "
+            "bfloat16 server gets near the bandwidth only with little else in its step (lockstep's kernels: "
+            "\"Where a decode step's time goes\" below).",
             "- Cores, from 8 clients on: one weight read serves the whole batch, so the bfloat16 matrix "
             f"multiplications on {m['cores']} cores, attention over the batch's KV cache and the per-step Python "
             f"work set the pace. lockstep's default gives its model worker {m['lockstep_default_threads']} torch "
-            "thread(s) here; vLLM's CPU backend binds its engine to all cores but one (it reserves one for its API "
+            "thread(s) here, and on its bfloat16 kernels a helper thread that shares a step's matmuls on the other "
+            "core while the server waits for the step; vLLM's CPU backend binds its engine to all cores but one (it reserves one for its API "
             "process); llama.cpp runs 2 threads. The HTTP servers and the benchmark client share the same cores.",
             "- Batching: llama-cpp-python's server decodes one request at a time, so its tokens/s stays flat and "
             "its TTFT grows with the queue; `policy none` does the same in lockstep; `static` waits for a whole "
