@@ -104,10 +104,11 @@ void lockstep_bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *o
 #define MAX_HEAD_VECTORS 16 /* head_dim / 16 */
 #define MAX_GROUP 8
 
-static inline __m512 exp_nonpositive(__m512 x) {
-    /* e^x for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2]; relative error
-     * about 2e-7, below float32's rounding of the sum it feeds. */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+static inline __m512 exp_any(__m512 x) {
+    /* e^x (softmax, SiLU): 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2]; relative error about 2e-7, below
+     * float32's rounding of the sums it feeds. Below -87 it gives e^-87 (~1.6e-38, where float32 turns subnormal),
+     * above ~88.7 inf, as expf. */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(100.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -182,7 +183,7 @@ static void softmax_to_pairs(float *scores, int64_t length, float maximum, uint3
     __m512 top = _mm512_set1_ps(maximum), total = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
         __mmask16 valid = length - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (length - t)) - 1);
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + t), top));
+        __m512 e = exp_any(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + t), top));
         e = _mm512_maskz_mov_ps(valid, e);
         _mm512_mask_storeu_ps(scores + t, valid, e);
         total = _mm512_add_ps(total, e);
@@ -336,23 +337,6 @@ static inline void store_bf16(uint16_t *target, __m512 x) {
     _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
-/* e^x for any x: exp_nonpositive's polynomial; overflows to inf above ~88.7 as expf does. */
-static inline __m512 exp_any(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(100.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* SwiGLU's product, silu(gate) * up, as torch's `silu(gate) * up` on bfloat16 (silu rounded, then the product):
  * gate_up: [rows, 2 * intermediate] (gate, then up, as the fused gate/up matmul writes them); out: [rows,
