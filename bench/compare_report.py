@@ -402,8 +402,8 @@ class Report:
             f"multiplications on {m['cores']} cores, attention over the batch's KV cache and the per-step Python "
             f"work set the pace. lockstep's default gives its model worker {m['lockstep_default_threads']} torch "
             "thread(s) here, and on its bfloat16 kernels a helper thread that shares a step's matmuls on the other "
-            "core while the server waits for the step; vLLM's CPU backend binds its engine to all cores but one (it reserves one for its API "
-            "process); llama.cpp runs 2 threads. The HTTP servers and the benchmark client share the same cores.",
+            "core while the server waits for the step; vLLM's CPU backend binds its engine to all cores but one "
+            "(it reserves one for its API process); llama.cpp runs 2 threads. The HTTP servers and the benchmark client share the same cores.",
             "- Batching: llama-cpp-python's server decodes one request at a time, so its tokens/s stays flat and "
             "its TTFT grows with the queue; `policy none` does the same in lockstep; `static` waits for a whole "
             "batch to finish before admitting more. TTFT at N clients includes the wait for a batch slot.",

@@ -2,6 +2,7 @@
 RMSNorm): built with the machine's compiler; within bfloat16's rounding of the exact result on the model's own
 weights and on generated shapes; each row the same alone as in any batch; the fast forward on them as accurate as on
 oneDNN's matmul; and every way they can be unavailable falls back to oneDNN."""
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -309,8 +310,8 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smo
         expected_logits, expected_cache = runs["layer by layer"]
         for mode, (logits, cache) in runs.items():
             assert all(torch.equal(got, expected) for got, expected in zip(logits, expected_logits)), (rows, mode)
-            assert all(torch.equal(got, expected) for got, expected in zip(cache.keys + cache.values,
-                                                                            expected_cache.keys + expected_cache.values))
+            stored, expected_stored = cache.keys + cache.values, expected_cache.keys + expected_cache.values
+            assert all(torch.equal(got, expected) for got, expected in zip(stored, expected_stored)), (rows, mode)
     decoder.stack = stack
 
 
@@ -321,7 +322,7 @@ def tiny_stack(kernels, generator: torch.Generator) -> native.DecoderStack:
     layers = [native.LayerWeights(weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), kernels.pack(weight(64, 64)),
                                   weight(64) + 1, 1e-6, kernels.pack(weight(192, 64)), kernels.pack(weight(64, 96)))
               for _ in range(2)]
-    return native.DecoderStack(layers, weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), 2, 1, 32)
+    return native.DecoderStack(kernels, layers, weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), 2, 1, 32)
 
 
 def tiny_step(kernels, stack, share: bool, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,12 +392,16 @@ def test_the_decode_step_refuses_what_it_cannot_read(kernels):
                             [slot[:, :, ::2] for slot in slots])
     with pytest.raises(ValueError, match="rotary"):
         kernels.decode_step(stack, hidden.clone(), torch.tensor([0, 0]), cos[:, :16], cos[:, :16], slots, slots)
-    layer = native.LayerWeights(torch.ones(64, dtype=torch.bfloat16), 1e-5, kernels.pack(torch.ones(96, 64).bfloat16()),
-                                kernels.pack(torch.ones(64, 64).bfloat16()), torch.ones(64, dtype=torch.bfloat16), 1e-5,
-                                kernels.pack(torch.ones(192, 64).bfloat16()), kernels.pack(torch.ones(64, 96).bfloat16()))
+    def packed(rows, depth):
+        return kernels.pack(torch.ones(rows, depth, dtype=torch.bfloat16))
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    layer = native.LayerWeights(norm, 1e-5, packed(96, 64), packed(64, 64), norm, 1e-5, packed(192, 64), packed(64, 96))
     with pytest.raises(ValueError, match="shapes"):  # q/k/v of 96 rows where 2 + 2 x 1 heads of 32 need 128
-        native.DecoderStack([layer], torch.ones(64, dtype=torch.bfloat16), 1e-5,
-                            kernels.pack(torch.ones(128, 64).bfloat16()), 2, 1, 32)
+        native.DecoderStack(kernels, [layer], norm, 1e-5, packed(128, 64), 2, 1, 32)
+    fitting = dataclasses.replace(layer, qkv=packed(128, 64))
+    native.DecoderStack(kernels, [fitting], norm, 1e-5, packed(128, 64), 2, 1, 32)
+    with pytest.raises(ValueError, match="shapes"):  # an lm_head not packed for the kernels
+        native.DecoderStack(kernels, [fitting], norm, 1e-5, torch.ones(128, 64, dtype=torch.bfloat16), 2, 1, 32)
 
 
 def test_swiglu_matches_torch_within_one_rounding(kernels):

@@ -346,8 +346,8 @@ void lockstep_bf16_silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows
         const uint16_t *gate = gate_up + r * 2 * intermediate, *up = gate + intermediate;
         for (int64_t i = 0; i < intermediate; i += 16) {
             __m512 g = bf16_to_float(gate + i);
-            __m512 silu = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                        exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            __m512 e = exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            __m512 silu = round_to_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
             store_bf16(out + r * intermediate + i, _mm512_mul_ps(silu, bf16_to_float(up + i)));
         }
     }

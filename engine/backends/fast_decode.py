@@ -243,8 +243,8 @@ def _decoder_stack(layers: list[_Layer], final_norm: KernelNorm, lm_head: Linear
                             layer.post_norm.weight, layer.post_norm.eps, layer.gate_up.packed, layer.down.packed)
                for layer in layers]
     try:
-        return DecoderStack(weights, final_norm.weight, final_norm.eps, lm_head.packed, num_heads, num_kv_heads,
-                            head_dim)
+        return DecoderStack(final_norm.kernels, weights, final_norm.weight, final_norm.eps, lm_head.packed, num_heads,
+                            num_kv_heads, head_dim)
     except ValueError as exc:
         logger.info("decode steps layer by layer: %s", exc)
         return None

@@ -247,26 +247,28 @@ class DecoderStack:
     """A model's weights as `Bf16Kernels.decode_step` reads them (pointers into tensors it keeps): every decoder
     layer's, the final norm's and the packed lm_head."""
 
-    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, final_eps: float, lm_head: torch.Tensor,
-                 num_heads: int, num_kv_heads: int, head_dim: int):
-        first = layers[0]
+    def __init__(self, kernels: Bf16Kernels, layers: list[LayerWeights], final_norm: torch.Tensor, final_eps: float,
+                 lm_head: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        if not layers:
+            raise ValueError("decode_step cannot run this model: no layers")
+        columns = kernels.columns_per_block
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = len(layers), num_heads, num_kv_heads, \
             head_dim
-        self.hidden = first.input_norm.shape[0]
-        self.intermediate = first.gate_up.shape[0] * first.gate_up.shape[2] // 2  # packed [N / 32, K / 2, 32, 2]
-        self.vocabulary = (_packed_dims(lm_head) or (0,))[0]
+        self.hidden = final_norm.shape[0]
+        self.intermediate = (_packed_dims(layers[0].gate_up, columns) or (0,))[0] // 2
+        self.vocabulary = (_packed_dims(lm_head, columns) or (0,))[0]
         self.scaling = head_dim ** -0.5
         expected = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, self.hidden),
                     "out": (self.hidden, num_heads * head_dim), "gate_up": (2 * self.intermediate, self.hidden),
                     "down": (self.hidden, self.intermediate)}
-        if not (Bf16Kernels.supports_attention(num_heads, num_kv_heads, head_dim) and self.hidden % 32 == 0
+        if not (kernels.supports_attention(num_heads, num_kv_heads, head_dim) and self.hidden % 32 == 0
                 and (num_heads * head_dim) % 32 == 0 and self.intermediate % 16 == 0
                 and all(_is_bf16_cpu(layer.input_norm, layer.post_norm, *(getattr(layer, name) for name in expected))
                         and layer.input_norm.shape == layer.post_norm.shape == (self.hidden,)
-                        and all(_packed_dims(getattr(layer, name)) == dims for name, dims in expected.items())
+                        and all(_packed_dims(getattr(layer, name), columns) == dims for name, dims in expected.items())
                         for layer in layers)
-                and _is_bf16_cpu(final_norm, lm_head) and final_norm.shape == (self.hidden,)
-                and _packed_dims(lm_head) == (self.vocabulary, self.hidden)):
+                and _is_bf16_cpu(final_norm, lm_head) and final_norm.dim() == 1
+                and _packed_dims(lm_head, columns) == (self.vocabulary, self.hidden)):
             raise ValueError("decode_step cannot run this model: shapes it does not take")
         tensors = [tensor for layer in layers for tensor in (layer.input_norm, layer.qkv, layer.out,
                                                               layer.post_norm, layer.gate_up, layer.down)]
@@ -277,12 +279,11 @@ class DecoderStack:
         self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
 
 
-def _packed_dims(packed: torch.Tensor) -> tuple[int, ...]:
-    """(N, K) of a weight packed by `Bf16Kernels.pack`, [N / 32, K / 2, 32, 2]."""
-    if packed.dim() != 4:
+def _packed_dims(packed: torch.Tensor, columns: int) -> tuple[int, ...]:
+    """(N, K) of a weight packed by `Bf16Kernels.pack`, [N / columns, K / 2, columns, 2]; () if it is not one."""
+    if packed.dim() != 4 or tuple(packed.shape[2:]) != (columns, 2):
         return ()
-    blocks, pairs, columns, two = packed.shape
-    return (blocks * columns, pairs * two) if two == 2 else ()
+    return packed.shape[0] * columns, packed.shape[1] * 2
 
 
 def _is_bf16_cpu(*tensors: torch.Tensor) -> bool:
