@@ -337,7 +337,6 @@ static inline void store_bf16(uint16_t *target, __m512 x) {
     _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
-
 /* SwiGLU's product, silu(gate) * up, as torch's `silu(gate) * up` on bfloat16 (silu rounded, then the product):
  * gate_up: [rows, 2 * intermediate] (gate, then up, as the fused gate/up matmul writes them); out: [rows,
  * intermediate]. intermediate % 16 == 0. */
