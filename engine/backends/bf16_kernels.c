@@ -428,8 +428,7 @@ static void futex_wait(atomic_int *word, int value) {
 static void futex_wake(atomic_int *word) { syscall(SYS_futex, (int *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0); }
 
 /* Take chunks of job `job` until none is left (or the job is no longer current); returns how many were done. The
- * caller of the job takes them from the front, the helper from the back: each streams one contiguous part of the
- * weight (interleaved chunks streamed no faster than one thread, measured). */
+ * caller of the job takes them from the front, the helper from the back. */
 static int64_t take_chunks(uint64_t job, int from_back, const uint16_t *x, const uint16_t *packed, uint16_t *out,
                            int64_t m, int64_t n, int64_t k) {
     int64_t done = 0;
