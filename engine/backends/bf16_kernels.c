@@ -380,9 +380,9 @@ static void rotate_heads(uint16_t *heads_of_token, int64_t heads, int64_t head_d
 
 /* A helper thread for the weight matmuls of a decode step. The model worker computes on one core while the server
  * process on the other mostly waits for its next token, so a step's matmuls are shared with a helper on that core
- * (in-process, one call per step: 16 rows 20 -> 13 ms, 8 rows 14 -> 10 ms, 1 row 10.1 -> 9.6 ms; one row is bound by
- * memory, which the second core adds little to). The helper sleeps between steps (on a futex) and spins during one
- * (a matmul every ~40 us: waking it for each would cost more than its share).
+ * (bench.decode_profile at 256 positions: 16 rows 31.9 -> 22.4 ms a step, 8 rows 18.5 -> 14.9 ms; 1 row at 64
+ * positions 11.2 -> 9.7 ms, bound by memory, which the second core adds little to). The helper sleeps between steps
+ * (on a futex) and spins during one (a matmul every ~40 us: waking it for each would cost more than its share).
  *
  * The two threads take chunks of a matmul's column blocks from one counter, the caller from the front and the
  * helper from the back (each streams one contiguous part of the weight). So a helper that the kernel deschedules
