@@ -288,17 +288,16 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smo
     helper thread) against fast_decode's layer-by-layer Python on the same kernels: the same logits and the same
     keys and values, bit for bit, for 1 to 12 rows whose lengths cross a page of the slot cache."""
     model = load(smol_model_dir, torch.bfloat16)
-    decoder = FastDecoder(model, kernels)
-    assert decoder.stack is not None
+    decoders = {"layer by layer": FastDecoder(model, kernels, whole_step_in_c=False),
+                "one call": FastDecoder(model, kernels),
+                "one call with the helper": FastDecoder(model, kernels, share_matmuls_rows=16)}
+    assert decoders["layer by layer"].stack is None and decoders["one call"].stack is not None
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist()
                for length in (60, 5, 63, 17, 1, 33, 58, 2, 40, 61, 9, 64)]
-    stack = decoder.stack
     for rows in (1, 3, 12):
         runs = {}
-        for mode in ("layer by layer", "one call", "one call with the helper"):
-            decoder.stack = None if mode == "layer by layer" else stack
-            decoder.share_matmuls_rows = 16 if mode.endswith("helper") else 0
+        for mode, decoder in decoders.items():
             cache, tokens = prefilled_slots(decoder, model.config, prompts[:rows])
             logits = []
             for _ in range(6):  # rows of 60-64 tokens grow past the first page of 64 positions
@@ -312,7 +311,6 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smo
             assert all(torch.equal(got, expected) for got, expected in zip(logits, expected_logits)), (rows, mode)
             stored, expected_stored = cache.keys + cache.values, expected_cache.keys + expected_cache.values
             assert all(torch.equal(got, expected) for got, expected in zip(stored, expected_stored)), (rows, mode)
-    decoder.stack = stack
 
 
 def tiny_stack(kernels, generator: torch.Generator) -> native.DecoderStack:
@@ -392,6 +390,7 @@ def test_the_decode_step_refuses_what_it_cannot_read(kernels):
                             [slot[:, :, ::2] for slot in slots])
     with pytest.raises(ValueError, match="rotary"):
         kernels.decode_step(stack, hidden.clone(), torch.tensor([0, 0]), cos[:, :16], cos[:, :16], slots, slots)
+
     def packed(rows, depth):
         return kernels.pack(torch.ones(rows, depth, dtype=torch.bfloat16))
     norm = torch.ones(64, dtype=torch.bfloat16)

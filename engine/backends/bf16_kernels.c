@@ -28,6 +28,25 @@
 #define ROWS 8           /* rows per pass over a block: 16 accumulators, the block stays in cache for the next */
 #define PREFETCH_PAIRS 16 /* k pairs ahead (2 KB) that the weight stream is prefetched */
 
+/* bfloat16 <-> float32. Rounding to bfloat16 is to nearest even, as torch rounds: elementwise ops below compute in
+ * float32 and round once per op, as torch does on bfloat16 tensors, so the fused decode step gives the layer-by-layer
+ * path's numbers bit for bit. */
+static inline __m512 bf16_to_float(const uint16_t *source) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)source)),
+                                                 16));
+}
+
+static inline __m512 bf16_to_float_masked(__mmask16 mask, const uint16_t *source) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const __m256i *)source)), 16));
+}
+
+static inline __m512 round_to_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
+static inline void store_bf16(uint16_t *target, __m512 x) {
+    _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
 /* `rows` rows of x against one block of COLUMNS columns; `rows` is a compile-time constant in each copy below so
  * that the accumulators live in registers. */
 #define BLOCK_KERNEL(rows)                                                                                         \
@@ -53,8 +72,8 @@
             }                                                                                                     \
         }                                                                                                         \
         for (int r = 0; r < rows; r++) {                                                                          \
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(low[r]));          \
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16), (__m256i)_mm512_cvtneps_pbh(high[r]));    \
+            store_bf16(out + r * out_stride, low[r]);                                                             \
+            store_bf16(out + r * out_stride + 16, high[r]);                                                       \
         }                                                                                                         \
     }
 
@@ -238,8 +257,8 @@ static inline __attribute__((always_inline)) void attend_one_head_group(
             uint16_t *target = out + g * head_dim + v * 32;
             __m512 d0 = _mm512_permutex2var_ps(low[g][v], first_half, high[g][v]);
             __m512 d1 = _mm512_permutex2var_ps(low[g][v], second_half, high[g][v]);
-            _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(d0));
-            _mm256_storeu_si256((__m256i *)(target + 16), (__m256i)_mm512_cvtneps_pbh(d1));
+            store_bf16(target, d0);
+            store_bf16(target + 16, d1);
         }
 }
 
@@ -298,13 +317,6 @@ void lockstep_bf16_decode_attention(const uint16_t *query, const uint16_t *keys,
 /* RMSNorm as transformers' LlamaRMSNorm computes it: in float32, x * rsqrt(mean(x^2) + eps) rounded to bfloat16,
  * then times the weight, rounded again (only the order of the sum of squares differs). One row at a time: a row's
  * result never depends on the others. x, out: [rows, hidden]; weight: [hidden]. */
-static inline __m512 bf16_to_float_masked(__mmask16 mask, const uint16_t *source) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const __m256i *)source)), 16));
-}
-
-static inline __m512 round_to_bf16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
-
 void lockstep_bf16_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows, int64_t hidden,
                             float eps) {
     for (int64_t r = 0; r < rows; r++) {
@@ -324,17 +336,6 @@ void lockstep_bf16_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t 
             _mm256_mask_storeu_epi16((__m256i *)(row_out + i), mask, (__m256i)_mm512_cvtneps_pbh(scaled));
         }
     }
-}
-
-/* Elementwise ops as torch computes them on bfloat16 tensors: each in float32, rounded to bfloat16 (to nearest
- * even) once per op, so the fused layers below give the unfused path's numbers bit for bit. */
-static inline __m512 bf16_to_float(const uint16_t *source) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)source)),
-                                                 16));
-}
-
-static inline void store_bf16(uint16_t *target, __m512 x) {
-    _mm256_storeu_si256((__m256i *)target, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
 /* SwiGLU's product, silu(gate) * up, as torch's `silu(gate) * up` on bfloat16 (silu rounded, then the product):

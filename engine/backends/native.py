@@ -94,7 +94,7 @@ class Bf16Kernels:
         rows, num_heads, head_dim = query.shape
         _, num_kv_heads, capacity, _ = keys.shape
         for name, tensor in (("query", query), ("keys", keys), ("values", values)):
-            if tensor.dtype != torch.bfloat16 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            if not _is_bf16_cpu(tensor):
                 raise ValueError(f"decode attention takes contiguous bfloat16 CPU tensors; {name} is not")
         if keys.shape != values.shape or keys.shape[0] < rows or keys.shape[3] != head_dim \
                 or lengths.dtype != torch.int64 or lengths.shape != (rows,) \
