@@ -6,7 +6,8 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2"
 BACKENDS = ("hf", "vllm", "auto")
 POLICIES = ("continuous", "static", "none")
-DTYPES = ("bfloat16", "float32", "float16", "auto")
+DTYPES = ("bfloat16", "float32", "float16", "auto")  # auto: what the hardware computes (engine/hardware.py)
+WEIGHTS = ("auto", "q4", "exact")  # auto: a model's own 4-bit GGUF blocks where it has them (q4), else exact
 DEVICES = ("cpu", "cuda", "auto")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")  # vLLM's distributed_executor_backend; ray spans nodes
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -21,7 +22,11 @@ def default_cache_dir() -> str:
 class EngineConfig:
     model: str = DEFAULT_MODEL
     backend: str = "hf"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    # hf on CPU: `q4` computes the embedded model on its own GGUF blocks (Q4_1 layers, Q8_0 lm_head) with
+    # lockstep's 4-bit kernels (engine/backends/q4.py), the same weights as the float32 dequantized GGUF in a
+    # third of the bytes a step reads; `exact` keeps the prepared safetensors in `dtype`.
+    weights: str = "auto"
     device: str = "auto"
     max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
     max_queue: int = 256
@@ -72,6 +77,7 @@ class EngineConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("weights", self.weights, WEIGHTS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)

@@ -98,6 +98,9 @@ class ModelInfo:
     device: str
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    weights: str = ""  # the weights' format where it is not `dtype` (q4_1: the GGUF's 4-bit blocks)
+    compute: str = ""  # what computes the model here (weights, kernels, threads)
+    compute_reason: str = ""  # the host and why that was chosen
 
 
 @dataclass(frozen=True)

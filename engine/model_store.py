@@ -68,6 +68,17 @@ def find_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
+def gguf_of(model_path: str, config: EngineConfig) -> str | None:
+    """The GGUF whose blocks `model_path` was prepared from (the embedded default), or None."""
+    if Path(model_path).resolve() != default_model_dir(config.cache_dir).resolve():
+        return None
+    try:
+        gguf = find_gguf()
+    except ModelNotFound:
+        return None
+    return str(gguf) if gguf.exists() else None
+
+
 def prepare_default_model(cache_dir: str, dtype: str = "bfloat16") -> Path:
     """Dequantize the embedded GGUF once and save model + tokenizer as safetensors."""
     import torch

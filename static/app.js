@@ -884,9 +884,11 @@
       const {data} = await request("v1/models");
       const model = data.data[0];
       readLimits(model);
-      const parts = [displayName(model.id), model.backend, model.dtype, model.device].filter(Boolean);
+      const parts = [displayName(model.id), model.backend, model.weights || model.dtype, model.device]
+        .filter(Boolean);
       badge.textContent = parts.join(" · ") + (model.ready ? "" : " (loading)");
-      badge.title = [`model: ${model.id}`, model.backend_reason && `backend: ${model.backend_reason}`]
+      badge.title = [`model: ${model.id}`, model.backend_reason && `backend: ${model.backend_reason}`,
+        model.compute && `compute: ${model.compute}`, model.compute_reason && `why: ${model.compute_reason}`]
         .filter(Boolean).join("\n");
       badge.classList.remove("bad");
     } catch (err) {

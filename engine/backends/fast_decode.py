@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache, one_query_attention
 from .native import Bf16Kernels, DecoderStack, LayerWeights
+from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,11 @@ class FastDecoder:
     """`decode` runs one step of the decoding rows over the slot cache, `prefill` one chunk of one prompt."""
 
     def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None, share_matmuls_rows: int = 0,
-                 whole_step_in_c: bool = True):
+                 whole_step_in_c: bool = True, q4: tuple[Q4Kernels, Q4Weights] | None = None):
+        if q4 is not None:
+            self._init_q4(model, *q4)
+            return
+        self.q4 = self.q4_stack = None
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -129,19 +134,53 @@ class FastDecoder:
         # Prompt chunks call transformers' SDPA attention with the model's own attention modules (as its forward).
         self.attention_modules = [layer.self_attn for layer in decoder.layers]
 
+    def _init_q4(self, model: nn.Module, kernels: Q4Kernels, weights: Q4Weights) -> None:
+        """On the model's own 4-bit blocks (q4.py): decode steps and prompt chunks each in one C call, computed
+        alike (a prompt's cache is one slot), every row the same whatever else the call holds."""
+        config, decoder = model.config, model.model
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
+        self.kernels, self.stack, self.share_matmuls_rows, self.layers = None, None, 0, []
+        self.attention_on_kernels, self.rows_independent = False, True
+        self.q4 = kernels
+        layers = decoder.layers
+        epsilons = [eps for layer in layers
+                    for eps in (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)]
+        self.q4_stack = Q4Stack(weights, [layer.input_layernorm.weight for layer in layers],
+                                [layer.post_attention_layernorm.weight for layer in layers],
+                                epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config)
+
+    def new_prompt_cache(self, num_tokens: int) -> PromptCache | DynamicCache:
+        """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout, or transformers' cache."""
+        if self.q4 is None:
+            return DynamicCache()
+        return PromptCache(self.q4_stack.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
+
+    def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys, values,
+                 first_logit_row: int) -> torch.Tensor:
+        hidden = self.embed[token_ids]  # [N, hidden]
+        cos, sin = self.rotary(hidden, positions[None])  # [1, N, head_dim]
+        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos[0].contiguous(), sin[0].contiguous(),
+                               keys, values, first_logit_row)
+
     @staticmethod
-    def supports(model: nn.Module) -> bool:
+    def supports(model: nn.Module, any_dtype: bool = False) -> bool:
         config = model.config
         decoder = getattr(model, "model", None)
         return (config.model_type in SUPPORTED_MODEL_TYPES and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
                 and getattr(decoder, "rotary_emb", None) is not None and hasattr(model, "lm_head")
-                and model.lm_head.bias is None and _can_pack(model.lm_head.weight))
+                and model.lm_head.bias is None and (any_dtype or _can_pack(model.lm_head.weight)))
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                cache: SlotKVCache) -> torch.Tensor:
         """One token per row: input_ids and position_ids [B, 1], attention_mask [B, 1, 1, capacity] from
         `cache.prepare_decode`. Returns the logits [B, V]."""
+        if self.q4 is not None:
+            rows = input_ids.shape[0]
+            return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), torch.arange(rows), cache.keys,
+                                 cache.values, 0)
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
         if self.stack is not None:
@@ -157,6 +196,11 @@ class FastDecoder:
                 all_positions: bool = False) -> torch.Tensor:
         """One chunk of one prompt, tokens `start`.. of it ([C] ids), into its own cache. Returns the last
         position's logits [V], or with `all_positions` every position's [C, V]."""
+        if self.q4 is not None:
+            positions = torch.arange(start, start + len(token_ids))
+            logits = self._q4_rows(token_ids, positions, torch.zeros(len(token_ids), dtype=torch.int64), cache.keys,
+                                   cache.values, 0 if all_positions else len(token_ids) - 1)
+            return logits if all_positions else logits[0]
         hidden = self.embed[token_ids]  # [C, hidden]
         positions = torch.arange(start, start + len(token_ids), device=token_ids.device)
         cos, sin = self.rotary(hidden, positions[None])  # [1, C, head_dim]
@@ -201,7 +245,7 @@ class FastDecoder:
         """The rest of the layer after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         hidden = hidden + layer.out(attended)
         gate_up = layer.gate_up(layer.post_norm(hidden))
-        if self.rows_independent:  # the fused decode's SwiGLU, so prompt chunks compute as decode steps
+        if self.kernels is not None and self.rows_independent:  # the fused decode's SwiGLU, so prompt chunks compute as decode steps
             activated = self.kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

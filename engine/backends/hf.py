@@ -44,19 +44,21 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
+from ..hardware import choose_dtype, detect_host
 from ..memory import release_freed_memory
+from ..model_store import gguf_of
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
 from .native import Bf16Kernels, load_bf16_kernels
+from .q4 import Q4Kernels, Q4Weights, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "auto": torch.bfloat16}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_CONTEXT = 2048
 # What can go wrong for one request without saying anything about the others (a bad value, a bad shape).
 REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
@@ -99,8 +101,15 @@ class HFBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str):
         torch.set_num_threads(config.num_threads)
         self.device = torch.device(resolve_device(config.device))
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[config.dtype])
+        host = detect_host()
+        gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
+        use_q4 = config.weights == "q4" or (config.weights == "auto" and config.dtype in ("auto", "float32")
+                                            and gguf is not None)
+        dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if use_q4 else \
+            choose_dtype(config.dtype, self.device.type, host)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
+        q4 = self._q4(config, gguf, host) if use_q4 else None
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.prefill_step_target_s = config.prefill_step_target_s
@@ -108,9 +117,11 @@ class HFBackend(Backend):
         self.batch_invariant = config.batch_invariant
         self.slot_attention = use_slot_attention(self.model)
         # A lean decode step over the slot cache (fast_decode.py); None: the model's forward decodes.
-        use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model)
-        kernels = self._bf16_kernels(config) if use_fast else None
-        self.fast_decoder = FastDecoder(self.model, kernels, config.kernel_helper_rows) if use_fast else None
+        use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model,
+                                                                                       any_dtype=q4 is not None)
+        kernels = self._bf16_kernels(config) if use_fast and q4 is None else None
+        self.fast_decoder = FastDecoder(self.model, kernels, config.kernel_helper_rows,
+                                        q4=q4 if use_fast else None) if use_fast else None
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -119,13 +130,32 @@ class HFBackend(Backend):
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
-            eos_token_ids=_eos_token_ids(self.model))
+            eos_token_ids=_eos_token_ids(self.model), compute=self._forward_name(),
+            weights="q4_1" if self.fast_decoder is not None and self.fast_decoder.q4 is not None else "",
+            compute_reason=f"{host.describe()}: {self.compute_reason}")
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "
                     "%s, batch invariance %s", self.info.dtype, self.device, torch.get_num_threads(),
                     self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
                     self._forward_name(), "on" if self.batch_invariant else "off")
+        logger.info("compute chosen for %s", self.info.compute_reason)
+
+    def _q4(self, config: EngineConfig, gguf: str | None, host) -> tuple[Q4Kernels, Q4Weights] | None:
+        """The model's own 4-bit blocks and the kernels that read them; the model gets the same weights
+        dequantized. None (the float32 model, in the log why) where either is missing."""
+        if gguf is None:
+            self.compute_reason = "weights=q4, but this model has no 4-bit GGUF; float32"
+            return None
+        weights = Q4Weights.from_gguf(gguf, self.model.config)  # ValueError: not a layout the kernels read
+        weights.give_model_the_same_weights(self.model)
+        kernels = load_q4_kernels(config.cache_dir, helpers=max(0, host.num_cores - 1))
+        if kernels is None:
+            self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
+            return None
+        self.compute_reason = f"auto: the model ships 4-bit weights ({host.isa} kernels read them as they are)" \
+            if config.weights == "auto" else "configured: weights=q4"
+        return kernels, weights
 
     def _bf16_kernels(self, config: EngineConfig) -> Bf16Kernels | None:
         """lockstep's kernels where they apply: they run on one core, so only with one torch thread."""
@@ -141,6 +171,8 @@ class HFBackend(Backend):
         if self.fast_decoder is None:
             return "the model's forward"
         decoder = self.fast_decoder
+        if decoder.q4 is not None:
+            return f"4-bit Q4_1 weights on {decoder.q4.name}, a decode step in one call"
         if decoder.kernels is None:
             return "fast forward on oneDNN's matmuls"
         if decoder.stack is None:
@@ -181,7 +213,9 @@ class HFBackend(Backend):
             failed.update(dict.fromkeys(request.all_sample_ids, _describe(exc)))
             return
         echo = [None] if request.sampling.prompt_logprobs is not None else None  # the first token has none
-        self.prefills.append(Prefill(request, samplers, DynamicCache(), prompt_logprobs=echo))
+        cache = self.fast_decoder.new_prompt_cache(len(request.prompt_token_ids)) if self.fast_decoder is not None \
+            else DynamicCache()
+        self.prefills.append(Prefill(request, samplers, cache, prompt_logprobs=echo))
 
     def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
         failed = output.failed

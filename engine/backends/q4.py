@@ -1,0 +1,374 @@
+"""The embedded model computed on its own 4-bit weights (q4_kernels.c): the GGUF's Q4_1 and Q8_0 blocks kept as
+they are, read by lockstep's matmul, and a decode step in one C call, built on first use with the system's C
+compiler (for this CPU: -march=native) into the cache folder and loaded with ctypes.
+
+`load_q4_kernels` returns None (and says why in the log) where they cannot run: no compiler, or a probe against
+float64 that fails. `Q4Weights.from_gguf` reads the blocks, in transformers' row order, and hands the model the same
+weights dequantized to float32 (what gguf-py computes), so the model's own forward and the kernels compute with
+the same numbers. Nothing here runs at import time.
+"""
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..hardware import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q4_kernels.c")
+ARCH_FLAGS = ("-mcpu=native",) if platform.machine() in ("aarch64", "arm64") else ("-march=native",)
+# -ffp-contract=off: no FMA where the source says multiply, then add (the weights dequantize as gguf-py's)
+COMPILE_FLAGS = ("-O3", *ARCH_FLAGS, "-ffp-contract=off", "-shared", "-fPIC")
+LINK_FLAGS = ("-lm", "-pthread")
+COMPILE_TIMEOUT_S = 120
+BLOCK = 32
+FORMAT_Q4_1, FORMAT_Q8_0 = 0, 1
+BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34}
+GGUF_FORMATS = {"Q4_1": FORMAT_Q4_1, "Q8_0": FORMAT_Q8_0}
+PROBE_ROWS = 19
+
+
+class Q4Kernels:
+    """`linear(x, weight)` computes x @ W.T from a `QuantizedWeight`; `decode_step` runs every layer at once."""
+
+    def __init__(self, library: ctypes.CDLL, helpers: int):
+        pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._linear = library.lockstep_q4_linear
+        self._linear.argtypes = [pointer, pointer, integer, pointer, size, size, size, integer]
+        self._linear.restype = ctypes.c_int
+        self._rows = library.lockstep_q4_dequantize_rows
+        self._rows.argtypes = [pointer, integer, pointer, size, size, pointer]
+        self._rows.restype = None
+        self._forward = library.lockstep_q4_forward
+        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, pointer, pointer,
+                                  pointer, pointer, ctypes.c_float, pointer, size, integer]
+        self._forward.restype = ctypes.c_int
+        self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
+        self.helpers = helpers  # threads beside the caller that share a call's work
+
+    @property
+    def name(self) -> str:
+        return f"lockstep's 4-bit kernels ({'AVX2+FMA' if self.uses_avx2 else 'portable C'}, " \
+               f"{self.helpers + 1} threads)"
+
+    def linear(self, x: torch.Tensor, weight: "QuantizedWeight") -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
+            raise ValueError(f"this matmul takes float32 CPU inputs of {weight.in_features} features, not "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+        rows = x.reshape(-1, weight.in_features).contiguous()
+        out = torch.empty((rows.shape[0], weight.out_features), dtype=torch.float32)
+        if self._linear(rows.data_ptr(), weight.blocks.data_ptr(), weight.format, out.data_ptr(), rows.shape[0],
+                        weight.out_features, weight.in_features, self.helpers):
+            raise MemoryError("linear: no memory for its scratch buffer")
+        return out.view(*x.shape[:-1], weight.out_features)
+
+    def dequantize_rows(self, weight: "QuantizedWeight", ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in float32 (the embedding lookup)."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not bool(((ids >= 0) & (ids < weight.out_features)).all()):
+            raise IndexError("token id outside the vocabulary")
+        out = torch.empty((ids.numel(), weight.in_features), dtype=torch.float32)
+        self._rows(weight.blocks.data_ptr(), weight.format, ids.data_ptr(), ids.numel(), weight.in_features,
+                   out.data_ptr())
+        return out.view(*ids.shape, weight.in_features)
+
+    def forward(self, stack: "Q4Stack", hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                first_logit_row: int = 0) -> torch.Tensor:
+        """Rows through every layer, then the logits [rows - first_logit_row, vocabulary] of rows
+        first_logit_row.. . hidden [rows, hidden] (float32, the embedded tokens; overwritten): row r is the token at
+        position positions[r] of slot slots[r] of each layer's keys and values [slots, kv_heads, capacity,
+        head_dim] (it writes its key and value there and attends to positions 0..positions[r]), rotated by cos and
+        sin [rows, head_dim]. A decode step: slot r for row r; a prompt chunk: one slot, consecutive positions."""
+        rows = hidden.shape[0]
+        if not (_is_f32_cpu(hidden, cos, sin) and hidden.shape == (rows, stack.hidden)
+                and cos.shape == sin.shape == (rows, stack.head_dim)) or not 0 <= first_logit_row < max(rows, 1):
+            raise ValueError("forward: hidden states, rotary tables or logit rows of the wrong shape or kind")
+        if len(keys) != stack.num_layers or len(values) != stack.num_layers or not _is_f32_cpu(*keys, *values):
+            raise ValueError("forward: one contiguous float32 slot cache per layer")
+        num_slots, num_kv_heads, capacity, head_dim = keys[0].shape
+        if (num_kv_heads, head_dim) != (stack.num_kv_heads, stack.head_dim) \
+                or any(tensor.shape != keys[0].shape for tensor in (*keys, *values)):
+            raise ValueError("forward: slot caches that do not fit the model")
+        for name, tensor, bound in (("position", positions, capacity), ("slot", slots, num_slots)):
+            if tensor.dtype != torch.int64 or tensor.shape != (rows,) \
+                    or (rows and not bool(((tensor >= 0) & (tensor < bound)).all())):
+                raise ValueError(f"forward: a {name} outside the slot cache")
+        dims = (ctypes.c_int64 * 8)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+                                    stack.intermediate, capacity, stack.vocabulary, stack.lm_head_format)
+        key_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in keys))
+        value_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in values))
+        slots, positions = slots.contiguous(), positions.contiguous()
+        logits = torch.empty((rows - first_logit_row, stack.vocabulary), dtype=torch.float32)
+        if rows and self._forward(dims, stack.num_layers, stack.pointers, stack.eps, key_pointers, value_pointers,
+                                  hidden.data_ptr(), rows, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), stack.scaling, logits.data_ptr(), first_logit_row, self.helpers):
+            raise MemoryError("forward: no memory for the step's scratch buffers")
+        return logits
+
+    def computes_correctly(self) -> bool:
+        """A probe on random blocks of both formats: within `error_bound` of the float64 product of the
+        dequantized weights, and each row the same alone as among others (what batch invariance rests on)."""
+        generator = np.random.default_rng(0)
+        for fmt in (FORMAT_Q4_1, FORMAT_Q8_0):
+            weight = QuantizedWeight(_random_blocks(generator, fmt, 37, 96), fmt, 37, 96)
+            x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, 96), dtype=np.float32))
+            together = self.linear(x, weight)
+            exact, bound = error_bound(x, weight.dequantized())
+            if not bool(((together.double() - exact).abs() <= bound).all()):
+                return False
+            if not all(torch.equal(self.linear(x[row:row + 1], weight), together[row:row + 1])
+                       for row in range(PROBE_ROWS)):
+                return False
+            if not torch.equal(self.dequantize_rows(weight, torch.tensor([3, 0, 36])), weight.dequantized()[[3, 0, 36]]):
+                return False
+        return True
+
+
+def error_bound(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product x @ dense.T, and how far the kernels may be from it: each block of 32 of a row of x is
+    rounded to 8 bits (at most half a step, amax / 254, per value), then float32 sums."""
+    x, dense = x.double(), dense.double()
+    steps = x.view(x.shape[0], -1, BLOCK).abs().amax(-1) / 254  # [M, blocks]
+    block_norms = dense.abs().view(dense.shape[0], -1, BLOCK).sum(-1)  # [N, blocks]
+    return x @ dense.T, steps @ block_norms.T * (1 + 2 ** -10) + (x.abs() @ dense.abs().T) * 2 ** -18 + 1e-30
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [out_features, in_features] as GGUF blocks: `blocks` is uint8 [out_features, in_features / 32 *
+    block bytes]."""
+    blocks: torch.Tensor
+    format: int
+    out_features: int
+    in_features: int
+
+    def dequantized(self) -> torch.Tensor:
+        """float32, as gguf-py dequantizes (d * q, then + m)."""
+        raw = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.format])
+        scale = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
+        if self.format == FORMAT_Q4_1:
+            minimum = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+            nibbles = raw[..., 4:]
+            values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)
+            dense = scale * values + minimum
+        else:
+            dense = scale * raw[..., 2:].copy().view(np.int8).astype(np.float32)
+        return torch.from_numpy(dense.reshape(self.out_features, self.in_features))
+
+    @staticmethod
+    def concat(*weights: "QuantizedWeight") -> "QuantizedWeight":
+        first = weights[0]
+        if any(w.format != first.format or w.in_features != first.in_features for w in weights):
+            raise ValueError("only weights of one format and width concatenate")
+        return QuantizedWeight(torch.cat([w.blocks for w in weights]).contiguous(), first.format,
+                               sum(w.out_features for w in weights), first.in_features)
+
+
+@dataclass(frozen=True)
+class PromptLayer:
+    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim]
+    values: torch.Tensor
+
+
+class PromptCache:
+    """One prompt's keys and values while it is fed in chunks, as the slot cache lays out one slot (so a chunk is
+    computed as decode steps are); `layers` as a DynamicCache's, which the backend copies into the batch."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int):
+        shape = (1, num_kv_heads, max(1, capacity), head_dim)
+        self.layers = [PromptLayer(torch.empty(shape), torch.empty(shape)) for _ in range(num_layers)]
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [layer.keys for layer in self.layers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [layer.values for layer in self.layers]
+
+
+@dataclass(frozen=True)
+class Q4Layer:
+    qkv: QuantizedWeight
+    out: QuantizedWeight
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+
+
+class Q4Weights:
+    """A Llama-shaped model's blocks from its GGUF: per layer the fused q/k/v, output, fused gate/up and down
+    (Q4_1), and the lm_head (the tied token embedding, Q8_0)."""
+
+    def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor]):
+        self.layers, self.lm_head, self.norms = layers, lm_head, norms
+
+    @classmethod
+    def from_gguf(cls, path: str, config) -> "Q4Weights":
+        """Raises ValueError for a GGUF whose tensors are not the 4-bit Llama layout these kernels read."""
+        from gguf import GGUFReader
+
+        tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+        def weight(name: str, permute_heads: int = 0, expected: str = "Q4_1") -> QuantizedWeight:
+            tensor = tensors.get(name)
+            if tensor is None or tensor.tensor_type.name != expected:
+                raise ValueError(f"{name}: {'missing' if tensor is None else tensor.tensor_type.name}, "
+                                 f"not {expected}")
+            in_features, out_features = (int(d) for d in tensor.shape)
+            blocks = np.asarray(tensor.data).reshape(out_features, -1)
+            if permute_heads:  # transformers' reverse permutation of q/k rows (convert_hf_to_gguf's inverse)
+                blocks = blocks.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
+                    .swapaxes(1, 2).reshape(out_features, -1)
+            return QuantizedWeight(torch.from_numpy(np.array(blocks, order="C")), GGUF_FORMATS[expected],
+                                   out_features, in_features)
+
+        def norm(name: str) -> torch.Tensor:
+            tensor = tensors.get(name)
+            if tensor is None or tensor.tensor_type.name != "F32":
+                raise ValueError(f"{name}: not a float32 norm")
+            return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(-1))
+
+        layers, norms = [], {"model.norm.weight": norm("output_norm.weight")}
+        for i in range(config.num_hidden_layers):
+            block = f"blk.{i}."
+            layers.append(Q4Layer(
+                qkv=QuantizedWeight.concat(weight(block + "attn_q.weight", heads),
+                                           weight(block + "attn_k.weight", kv_heads), weight(block + "attn_v.weight")),
+                out=weight(block + "attn_output.weight"),
+                gate_up=QuantizedWeight.concat(weight(block + "ffn_gate.weight"), weight(block + "ffn_up.weight")),
+                down=weight(block + "ffn_down.weight")))
+            norms[f"model.layers.{i}.input_layernorm.weight"] = norm(block + "attn_norm.weight")
+            norms[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
+        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+        lm_head = weight(head_name, expected=tensors[head_name].tensor_type.name
+                         if head_name in tensors and tensors[head_name].tensor_type.name in GGUF_FORMATS else "Q8_0")
+        return cls(layers, lm_head, norms)
+
+    @torch.no_grad()
+    def give_model_the_same_weights(self, model: nn.Module) -> None:
+        """The model's own parameters become these blocks dequantized (float32): its forward, the reference of
+        the tests and the exact mode, then computes with the very numbers the kernels read."""
+        if model.dtype != torch.float32:
+            raise ValueError("the 4-bit kernels run beside a float32 model")
+        parameters = dict(model.named_parameters())
+        for name, value in self.norms.items():
+            _assign(parameters[name], value)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attention, mlp = prefix + "self_attn.", prefix + "mlp."
+            qkv, gate_up = layer.qkv.dequantized(), layer.gate_up.dequantized()
+            sizes = [parameters[attention + p + "_proj.weight"].shape[0] for p in "qkv"]
+            for part, value in zip("qkv", qkv.split(sizes)):
+                _assign(parameters[attention + part + "_proj.weight"], value)
+            gate, up = gate_up.chunk(2)
+            _assign(parameters[mlp + "gate_proj.weight"], gate)
+            _assign(parameters[mlp + "up_proj.weight"], up)
+            _assign(parameters[attention + "o_proj.weight"], layer.out.dequantized())
+            _assign(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
+        _assign(model.get_input_embeddings().weight, self.lm_head.dequantized())
+        if model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+            _assign(model.lm_head.weight, self.lm_head.dequantized())
+
+
+def _assign(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    if parameter.shape != value.shape:
+        raise ValueError(f"a GGUF weight of shape {tuple(value.shape)} for a parameter of {tuple(parameter.shape)}")
+    parameter.copy_(value)
+
+
+class Q4Stack:
+    """The weights as `Q4Kernels.forward` reads them (pointers into tensors it keeps)."""
+
+    def __init__(self, weights: Q4Weights, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor],
+                 epsilons: list[float], final_norm: torch.Tensor, config):
+        self.num_layers = len(weights.layers)
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.hidden = config.hidden_size
+        self.intermediate = weights.layers[0].gate_up.out_features // 2
+        self.vocabulary = weights.lm_head.out_features
+        self.lm_head_format = weights.lm_head.format
+        self.scaling = self.head_dim ** -0.5
+        expected = {"qkv": ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim, self.hidden),
+                    "out": (self.hidden, self.num_heads * self.head_dim),
+                    "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+        if self.num_layers == 0 or self.num_heads % self.num_kv_heads or self.head_dim % 8 \
+                or self.num_heads // self.num_kv_heads > 8 or self.hidden % BLOCK or self.intermediate % BLOCK \
+                or any((getattr(layer, name).out_features, getattr(layer, name).in_features) != dims
+                       or getattr(layer, name).format != FORMAT_Q4_1
+                       for layer in weights.layers for name, dims in expected.items()) \
+                or weights.lm_head.in_features != self.hidden:
+            raise ValueError("the 4-bit decode step cannot run this model: shapes it does not take")
+        norms = [n.detach().float().contiguous() for n in (*input_norms, *post_norms, final_norm)]
+        tensors = []
+        for i, layer in enumerate(weights.layers):
+            tensors += [norms[i], layer.qkv.blocks, layer.out.blocks, norms[self.num_layers + i],
+                        layer.gate_up.blocks, layer.down.blocks]
+        tensors += [norms[-1], weights.lm_head.blocks]
+        self._tensors = tensors
+        self.pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+        self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
+
+
+def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: int) -> torch.Tensor:
+    blocks = generator.integers(0, 256, (rows, depth // BLOCK, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    scales = (generator.standard_normal((rows, depth // BLOCK, 2)) * 0.05).astype(np.float16)
+    blocks[..., 0:4] = scales.view(np.uint8).reshape(rows, depth // BLOCK, 4)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+               for tensor in tensors)
+
+
+def load_q4_kernels(cache_dir: str, helpers: int) -> Q4Kernels | None:
+    """The kernels, built into `cache_dir`/kernels if they are not there yet; None (and why, in the log) where
+    they cannot run here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.info("4-bit kernels: no C compiler (cc, gcc or $CC)")
+        return None
+    try:
+        library = ctypes.CDLL(str(_built_library(Path(cache_dir) / "kernels", compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("4-bit kernels: could not build or load them (%s)", exc)
+        return None
+    kernels = Q4Kernels(library, helpers)
+    if not kernels.computes_correctly():
+        logger.warning("4-bit kernels: their probe computed wrong numbers")
+        return None
+    return kernels
+
+
+def _built_library(folder: Path, compiler: str) -> Path:
+    """One file per source, flags and CPU (-march=native code for one CPU may not run on another that shares the
+    cache folder); built into a temporary name and renamed, so processes that build at once never load a
+    half-written file."""
+    key = SOURCE.read_bytes() + " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS, *sorted(cpu_flags()))).encode()
+    target = folder / f"q4_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as building:
+        built = Path(building) / target.name
+        command = [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    logger.info("4-bit kernels built: %s", target)
+    return target

@@ -1,0 +1,700 @@
+/* lockstep's kernels for the embedded model's own 4-bit weights: a matmul that reads GGUF's Q4_1 and Q8_0 blocks as
+ * they are (so a decode step streams ~96 MB instead of 270 MB of bfloat16 or 540 MB of float32), and a whole decode
+ * step of a Llama-shaped model in one call over a float32 slot KV cache. Built by engine/backends/q4.py with
+ * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them, plain C (which the compiler vectorizes for
+ * NEON or whatever the host has) elsewhere. q4.py checks them against float64 before the engine uses them.
+ *
+ * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
+ * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
+ * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks.
+ *
+ * Every row of x is computed the same way whatever else the call holds: each output is one chain of FMAs over K in
+ * the same order, then one fixed reduction, whatever M is, whichever tile or thread computes it. So a row's result
+ * never depends on the batch or on how a prompt is chunked (batch invariance by construction). Weights are
+ * dequantized exactly as gguf-py does (d * q, then + m, in float32), so the float32 dequantized model and these
+ * kernels compute with the same numbers and differ only in the order of the sums. */
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCKSTEP_AVX2 1
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define LOCKSTEP_AVX2 0
+#if defined(__aarch64__)
+#define cpu_relax() __asm__ volatile("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+#endif
+
+#define BLOCK 32
+#define Q4_1_BYTES 20
+#define Q8_0_BYTES 34
+#define ROW_TILE 8      /* rows of x per pass over a weight row: the weight row stays in L1 for the next pass */
+#define ROW_BLOCK 64    /* rows of x kept in L2 while every weight row streams past them (prompt chunks) */
+#define PREFETCH_BYTES 384 /* how far ahead in a weight row the next blocks are fetched */
+#define MIN_UNIT_COLUMNS 16 /* a matmul's units of work shared between threads: at least this many columns, */
+#define UNITS_PER_THREAD 8  /* about this many units per thread */
+
+enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1 };
+
+int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
+
+static inline float half_to_float(uint16_t h) {
+#if LOCKSTEP_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } bits;
+    if (exponent == 0) { /* zero or subnormal: exact in float32 */
+        bits.f = (float)mantissa * 0x1p-24f;
+        bits.u |= sign;
+        return bits.f;
+    }
+    if (exponent == 31)
+        bits.u = sign | 0x7F800000u | (mantissa << 13);
+    else
+        bits.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    return bits.f;
+#endif
+}
+
+static inline uint16_t read_half(const uint8_t *block) { return (uint16_t)(block[0] | block[1] << 8); }
+
+/* 32 weights of one block, dequantized. */
+static inline void dequantize_block(const uint8_t *block, int format, float *out) {
+    float d = half_to_float(read_half(block));
+    if (format == FORMAT_Q4_1) {
+        float m = half_to_float(read_half(block + 2));
+        const uint8_t *q = block + 4;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(q[j] & 0x0F) + m;
+            out[j + 16] = d * (float)(q[j] >> 4) + m;
+        }
+    } else {
+        const int8_t *q = (const int8_t *)(block + 2);
+        for (int j = 0; j < BLOCK; j++) out[j] = d * (float)q[j];
+    }
+}
+
+static inline int64_t block_bytes(int format) { return format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+
+/* ---- The matmul. As llama.cpp does, x is quantized per row to 8 bits in blocks of 32 (a float scale dx, and
+ * sx = dx * the sum of the block's values, for Q4_1's minimum), and each block's dot product is one of integers:
+ * for Q4_1, dw * dx * sum(q_w * q_x) + mw * sx; for Q8_0, dw * dx * sum(q_w * q_x). */
+struct quantized_x {
+    int8_t *q;    /* [M, K] */
+    float *scale; /* [M, K / 32] */
+    float *sum;   /* [K / 32, M8]: block-major, zero-padded to M8 = M rounded up to 8 rows */
+    int64_t m, m8, k;
+};
+
+static void quantize_rows(const float *x, struct quantized_x *out) {
+    const int64_t blocks = out->k / BLOCK;
+    memset(out->sum, 0, blocks * out->m8 * sizeof(float));
+    for (int64_t r = 0; r < out->m; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xs = x + r * out->k + b * BLOCK;
+            float amax = 0;
+            for (int j = 0; j < BLOCK; j++) amax = fabsf(xs[j]) > amax ? fabsf(xs[j]) : amax;
+            float d = amax / 127.0f, inverse = d ? 1.0f / d : 0.0f;
+            int8_t *q = out->q + r * out->k + b * BLOCK;
+            int total = 0;
+            for (int j = 0; j < BLOCK; j++) total += q[j] = (int8_t)nearbyintf(xs[j] * inverse);
+            out->scale[r * blocks + b] = d;
+            out->sum[b * out->m8 + r] = d * (float)total;
+        }
+}
+
+#if LOCKSTEP_AVX2
+static inline float sum_lanes(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+/* sum(q_w * q_x) of one block, as 8 int32 lanes turned float: w unsigned (Q4_1's nibbles) or signed (Q8_0). */
+static inline __m256 block_dot(__m256i w, __m256i x, const int FORMAT) {
+    if (FORMAT == FORMAT_Q8_0) { /* maddubs takes one unsigned operand: |w| and x with w's sign (as llama.cpp) */
+        x = _mm256_sign_epi8(x, w);
+        w = _mm256_sign_epi8(w, w);
+    }
+    __m256i pairs = _mm256_maddubs_epi16(w, x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __m256i load_weights(const uint8_t *block, const int FORMAT) {
+    if (FORMAT == FORMAT_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
+    __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F)); /* weights 0..15 low, 16..31 high, as GGUF orders them */
+}
+
+/* The block's fp16 scale (lane 0) and Q4_1's minimum (lane 1) as floats. */
+static inline __m128 block_scales(const uint8_t *block) {
+    int32_t halves;
+    memcpy(&halves, block, sizeof(halves));
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+}
+
+/* COLUMNS columns x ROWS rows (COLUMNS > 1 only with one row): per (column, row) one float accumulator that each
+ * block adds to in order, and one for Q4_1's minimum term (lane r of a vector for several rows, one float for one:
+ * the same fused multiply-add), so every output is computed by the same operations whatever the tile. */
+static inline __attribute__((always_inline)) void tile(const struct quantized_x *x, int64_t row, const uint8_t *weight,
+                                                       int64_t row_bytes, float *out, int64_t n, const int FORMAT,
+                                                       const int COLUMNS, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK, bytes = FORMAT == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const int8_t *xq = x->q + row * x->k;
+    const float *x_scale = x->scale + row * blocks, *x_sum = x->sum + row;
+    __m256 acc[4][8], minimum_rows[4];
+    __m128 minimum_one[4];
+    for (int c = 0; c < COLUMNS; c++) {
+        minimum_rows[c] = _mm256_setzero_ps();
+        minimum_one[c] = _mm_setzero_ps();
+        for (int r = 0; r < ROWS; r++) acc[c][r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int c = 0; c < COLUMNS; c++) {
+            const uint8_t *block = weight + c * row_bytes + b * bytes;
+            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256i w = load_weights(block, FORMAT);
+            __m128 scales = block_scales(block);
+            for (int r = 0; r < ROWS; r++) {
+                __m256i xs = _mm256_loadu_si256((const __m256i *)(xq + r * x->k + b * BLOCK));
+                __m256 scale = _mm256_broadcastss_ps(_mm_mul_ss(scales, _mm_load_ss(x_scale + r * blocks + b)));
+                acc[c][r] = _mm256_fmadd_ps(block_dot(w, xs, FORMAT), scale, acc[c][r]);
+            }
+            if (FORMAT == FORMAT_Q4_1) {
+                __m128 minimum = _mm_movehdup_ps(scales);
+                if (ROWS == 1)
+                    minimum_one[c] = _mm_fmadd_ss(minimum, _mm_load_ss(x_sum + b * x->m8), minimum_one[c]);
+                else /* rows past the tile read other rows' (or padding) sums, never used */
+                    minimum_rows[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(minimum),
+                                                      _mm256_loadu_ps(x_sum + b * x->m8), minimum_rows[c]);
+            }
+        }
+    }
+    for (int c = 0; c < COLUMNS; c++) {
+        float minimum[8];
+        if (ROWS == 1)
+            _mm_store_ss(minimum, minimum_one[c]);
+        else
+            _mm256_storeu_ps(minimum, minimum_rows[c]);
+        for (int r = 0; r < ROWS; r++) out[r * n + c] = sum_lanes(acc[c][r]) + minimum[r];
+    }
+}
+
+typedef void (*tile_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+#define TILE(F, C, R)                                                                                               \
+    static void tile_##F##_##C##_##R(const struct quantized_x *x, int64_t row, const uint8_t *w, int64_t rb,       \
+                                     float *o, int64_t n) {                                                         \
+        tile(x, row, w, rb, o, n, F, C, R);                                                                         \
+    }
+#define TILES(F)                                                                                                    \
+    TILE(F, 4, 1) TILE(F, 1, 1) TILE(F, 1, 2) TILE(F, 1, 3) TILE(F, 1, 4) TILE(F, 1, 5) TILE(F, 1, 6)              \
+    TILE(F, 1, 7) TILE(F, 1, 8)                                                                                     \
+    static const tile_fn ONE_COLUMN_##F[ROW_TILE + 1] = {0,              tile_##F##_1_1, tile_##F##_1_2,            \
+                                                         tile_##F##_1_3, tile_##F##_1_4, tile_##F##_1_5,            \
+                                                         tile_##F##_1_6, tile_##F##_1_7, tile_##F##_1_8};
+TILES(0) /* FORMAT_Q4_1 */
+TILES(1) /* FORMAT_Q8_0 */
+
+/* Columns [first, last) for rows row..row+rows-1 (rows <= ROW_TILE); a lone row takes four columns at a time, so
+ * that four chains of FMAs hide each other's latency. */
+static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
+                             int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
+    const tile_fn *one_column = format == FORMAT_Q4_1 ? ONE_COLUMN_0 : ONE_COLUMN_1;
+    const tile_fn four_columns = format == FORMAT_Q4_1 ? tile_0_4_1 : tile_1_4_1;
+    int64_t c = first;
+    if (rows == 1)
+        for (; c + 4 <= last; c += 4) four_columns(x, row, weight + c * row_bytes, row_bytes, out + c, n);
+    for (; c < last; c++) one_column[rows](x, row, weight + c * row_bytes, row_bytes, out + c, n);
+}
+#else
+/* Portable: the same integer dot products, one output at a time (the compiler vectorizes the inner loop). */
+static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
+                             int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
+    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(format);
+    for (int64_t c = first; c < last; c++)
+        for (int64_t r = row; r < row + rows; r++) {
+            float total = 0, minimum_term = 0;
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *block = weight + c * row_bytes + b * bytes;
+                const int8_t *xq = x->q + r * x->k + b * BLOCK;
+                int dot = 0;
+                if (format == FORMAT_Q4_1) {
+                    for (int j = 0; j < 16; j++) dot += (block[4 + j] & 0x0F) * xq[j] + (block[4 + j] >> 4) * xq[j + 16];
+                    minimum_term += half_to_float(read_half(block + 2)) * x->sum[b * x->m8 + r];
+                } else {
+                    for (int j = 0; j < BLOCK; j++) dot += ((const int8_t *)(block + 2))[j] * xq[j];
+                }
+                total += (float)dot * (half_to_float(read_half(block)) * x->scale[r * blocks + b]);
+            }
+            out[(r - row) * n + c] = total + minimum_term;
+        }
+}
+#endif
+
+/* out[M, N] columns [first, last) = x @ W.T: rows in L2-sized blocks, each weight row reused from L1 for ROW_TILE
+ * rows at a time. */
+static void linear_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
+                           int64_t first, int64_t last) {
+    const int64_t row_bytes = x->k / BLOCK * block_bytes(format);
+    for (int64_t block_start = 0; block_start < x->m; block_start += ROW_BLOCK) {
+        int64_t block_end = block_start + ROW_BLOCK < x->m ? block_start + ROW_BLOCK : x->m;
+        for (int64_t r = block_start; r < block_end; r += ROW_TILE) {
+            int64_t rows = block_end - r < ROW_TILE ? block_end - r : ROW_TILE;
+            columns_for_rows(x, r, rows, weight, row_bytes, format, out + r * n, n, first, last);
+        }
+    }
+}
+
+/* ---- A pool of helper threads. The worker process has the machine's cores while the server mostly waits for its
+ * tokens, so a call's units of work (column chunks of a matmul, rows of the attention) are shared with helpers that
+ * spin while a decode step runs and sleep on a futex between calls. Units are taken from one counter, so a helper
+ * the kernel takes off its core slows a call but never stops it (the caller takes what is left), and every unit is
+ * computed by the same code whichever thread takes it: the numbers do not depend on the helpers. A call that waited
+ * for a helper's last unit STALL_S longer than two units take (another process had the core) makes the next
+ * STEPS_ALONE calls run without them. Helpers are made on first use, and again in a forked child (which has the memory, not threads). */
+#define MAX_HELPERS 63
+#define STALL_S 0.002
+#define STEPS_ALONE 8
+
+typedef void (*unit_fn)(const void *job, int64_t unit);
+
+static struct {
+    pid_t owner;
+    int count;
+    int64_t steps_alone;
+    double longest_wait_s;
+    const void *job;
+    unit_fn run;
+    _Alignas(64) atomic_int awake;          /* 1 while a call wants the helpers (the futex word) */
+    _Alignas(64) atomic_uint_fast64_t next; /* job number << 32 | next unit */
+    _Alignas(64) atomic_int_fast64_t units_done;
+    int64_t units;
+} pool;
+
+static atomic_flag pool_taken = ATOMIC_FLAG_INIT; /* one caller at a time uses the helpers */
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* Take units of job number `job` until none is left; returns how many this thread did. */
+static int64_t take_units(uint64_t job, unit_fn run, const void *context, int64_t units) {
+    int64_t done = 0;
+    uint64_t ticket = atomic_load(&pool.next);
+    for (;;) {
+        if ((ticket >> 32) != job || (int64_t)(ticket & 0xFFFFFFFFu) >= units) return done;
+        if (!atomic_compare_exchange_weak(&pool.next, &ticket, ticket + 1)) continue;
+        run(context, (int64_t)(ticket & 0xFFFFFFFFu));
+        done++;
+        ticket = atomic_load(&pool.next);
+    }
+}
+
+static void *helper_loop(void *unused) {
+    (void)unused;
+    uint64_t seen = 0;
+    for (;;) {
+        while (!atomic_load(&pool.awake))
+            syscall(SYS_futex, (int *)&pool.awake, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
+        uint64_t job = atomic_load(&pool.next) >> 32;
+        if (job == seen) {
+            cpu_relax();
+            continue;
+        }
+        seen = job;
+        unit_fn run = pool.run;
+        const void *context = pool.job;
+        int64_t units = pool.units;
+        int64_t done = take_units(job, run, context, units);
+        if (done) atomic_fetch_add(&pool.units_done, done);
+    }
+    return NULL;
+}
+
+/* `count` helpers in this process (made if missing); returns how many there are. */
+static int helpers_ready(int count) {
+    if (pool.owner != getpid()) {
+        pool.owner = getpid();
+        pool.count = 0;
+        atomic_store(&pool.awake, 0);
+    }
+    while (pool.count < count && pool.count < MAX_HELPERS) {
+        pthread_attr_t attributes;
+        pthread_t thread;
+        if (pthread_attr_init(&attributes)) break;
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attributes, helper_loop, NULL);
+        pthread_attr_destroy(&attributes);
+        if (failed) break;
+        pool.count++;
+    }
+    return pool.count;
+}
+
+static void helpers_awake(int on) {
+    atomic_store(&pool.awake, on);
+    if (on) syscall(SYS_futex, (int *)&pool.awake, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
+}
+
+/* Starts a call that may use `helpers` helpers; returns whether it has them (then `end_shared` must follow). */
+static int begin_shared(int helpers) {
+    if (helpers <= 0 || atomic_flag_test_and_set(&pool_taken)) return 0;
+    if (pool.steps_alone > 0 || helpers_ready(helpers) == 0) {
+        pool.steps_alone -= pool.steps_alone > 0;
+        atomic_flag_clear(&pool_taken);
+        return 0;
+    }
+    pool.longest_wait_s = 0;
+    helpers_awake(1);
+    return 1;
+}
+
+static void end_shared(void) {
+    helpers_awake(0);
+    if (pool.longest_wait_s > STALL_S) pool.steps_alone = STEPS_ALONE;
+    atomic_flag_clear(&pool_taken);
+}
+
+/* Runs units 0..units-1 of `run`: with the helpers if `shared`, else on this thread. */
+static void run_units(int shared, unit_fn run, const void *context, int64_t units) {
+    if (!shared || units < 2 || units > 0xFFFFFFFFll) {
+        for (int64_t u = 0; u < units; u++) run(context, u);
+        return;
+    }
+    uint64_t job = ((atomic_load(&pool.next) >> 32) + 1) & 0xFFFFFFFFu;
+    pool.run = run, pool.job = context, pool.units = units;
+    atomic_store(&pool.units_done, 0);
+    atomic_store(&pool.next, job << 32); /* publishes the job (sequentially consistent) */
+    double started = seconds_now();
+    int64_t done = take_units(job, run, context, units);
+    if (done) atomic_fetch_add(&pool.units_done, done);
+    if (atomic_load(&pool.units_done) < units) { /* a helper is still on its last unit */
+        double waiting = seconds_now();
+        while (atomic_load(&pool.units_done) < units) cpu_relax();
+        /* beyond two units' worth of this thread's own pace: the helper was off its core */
+        double unit_s = done ? (waiting - started) / (double)done : 0;
+        double late = seconds_now() - waiting - 2 * unit_s;
+        if (late > pool.longest_wait_s) pool.longest_wait_s = late;
+    }
+}
+
+/* ---- The matmul's column chunks as units; x is quantized once per call, by the caller. */
+struct linear_job {
+    const struct quantized_x *x;
+    const uint8_t *weight;
+    float *out;
+    int64_t n, columns; /* columns per unit */
+    int format;
+};
+
+static void linear_unit(const void *context, int64_t unit) {
+    const struct linear_job *job = context;
+    int64_t first = unit * job->columns, last = first + job->columns < job->n ? first + job->columns : job->n;
+    linear_columns(job->x, job->weight, job->format, job->out, job->n, first, last);
+}
+
+/* Scratch for x quantized: M x K bytes and two floats per block and row. */
+static int64_t quantized_x_bytes(int64_t m, int64_t k) {
+    int64_t m8 = (m + 7) / 8 * 8;
+    return m * k + m * (k / BLOCK) * 4 + (k / BLOCK) * m8 * 4 + 32 * 4 + 64;
+}
+
+static struct quantized_x quantized_x_in(void *scratch, int64_t m, int64_t k) {
+    struct quantized_x x;
+    x.m = m, x.m8 = (m + 7) / 8 * 8, x.k = k;
+    x.scale = scratch;
+    x.sum = x.scale + m * (k / BLOCK);
+    x.q = (int8_t *)(x.sum + (k / BLOCK) * x.m8 + 8); /* 8 floats of slack: a tile reads 8 rows' sums */
+    return x;
+}
+
+static void matmul(int shared, const float *x, void *scratch, const uint8_t *weight, int format, float *out,
+                   int64_t m, int64_t n, int64_t k) {
+    struct quantized_x quantized = quantized_x_in(scratch, m, k);
+    quantize_rows(x, &quantized);
+    /* About UNITS_PER_THREAD units per thread: units of few columns make the threads fight over the counter's
+     * cache line (16-column units made a one-row step 30% slower than 64-column ones) */
+    int64_t threads = shared ? pool.count + 1 : 1, wanted = (n + threads * UNITS_PER_THREAD - 1) / (threads * UNITS_PER_THREAD);
+    int64_t columns = (wanted + MIN_UNIT_COLUMNS - 1) / MIN_UNIT_COLUMNS * MIN_UNIT_COLUMNS;
+    struct linear_job job = {&quantized, weight, out, n, columns, format};
+    run_units(shared, linear_unit, &job, (n + columns - 1) / columns);
+}
+
+/* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0. Returns 0,
+ * or -1 if scratch memory could not be had. */
+int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float *out, int64_t m, int64_t n,
+                       int64_t k, int helpers) {
+    void *scratch = malloc(quantized_x_bytes(m, k));
+    if (!scratch) return -1;
+    int shared = begin_shared(helpers);
+    matmul(shared, x, scratch, weight, format, out, m, n, k);
+    if (shared) end_shared();
+    free(scratch);
+    return 0;
+}
+
+/* Rows of a weight, dequantized (the embedding lookup): out[i] = row ids[i] of `weight`. */
+void lockstep_q4_dequantize_rows(const uint8_t *weight, int format, const int64_t *ids, int64_t count, int64_t k,
+                                 float *out) {
+    const int64_t row_bytes = k / BLOCK * block_bytes(format);
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t b = 0; b < k / BLOCK; b++)
+            dequantize_block(weight + ids[i] * row_bytes + b * block_bytes(format), format, out + i * k + b * BLOCK);
+}
+
+/* ---- The rest of a decode step, in float32 as transformers computes a float32 Llama. */
+
+/* LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight. */
+static void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t width, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * width;
+        float sum = 0;
+        for (int64_t i = 0; i < width; i++) sum += row[i] * row[i];
+        float scale = 1.0f / sqrtf(sum / (float)width + eps);
+        for (int64_t i = 0; i < width; i++) out[r * width + i] = weight[i] * (row[i] * scale);
+    }
+}
+
+/* apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, for `heads` heads of one token in place. */
+static void rotate_heads(float *token, int64_t heads, int64_t head_dim, const float *cos, const float *sin) {
+    int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = token + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            float first = x[i], second = x[i + half];
+            x[i] = first * cos[i] - second * sin[i];
+            x[i + half] = second * cos[i + half] + first * sin[i + half];
+        }
+    }
+}
+
+#if LOCKSTEP_AVX2
+/* expf for 8 lanes (Cephes' polynomial, ~1 ulp); exactly 0 below -87.3 (and for -inf). */
+static inline __m256 exp_avx2(__m256 x) {
+    __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    static const float terms[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
+                                  5.0000001201E-1f};
+    for (int i = 0; i < 5; i++) y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(terms[i]));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
+}
+
+static inline float dot(const float *a, const float *b, int64_t count) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int64_t i = 8; i < count; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return sum_lanes(acc);
+}
+
+/* scores[0..length) -> exp(score - max), padded with zeros to a multiple of 8; returns their sum. */
+static float exponentiate(float *scores, int64_t length) {
+    int64_t padded = (length + 7) / 8 * 8;
+    for (int64_t p = length; p < padded; p++) scores[p] = -INFINITY;
+    __m256 maxima = _mm256_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < padded; p += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(scores + p));
+    float lanes[8], maximum = -INFINITY;
+    _mm256_storeu_ps(lanes, maxima);
+    for (int i = 0; i < 8; i++) maximum = lanes[i] > maximum ? lanes[i] : maximum;
+    __m256 top = _mm256_set1_ps(maximum), total = _mm256_setzero_ps();
+    for (int64_t p = 0; p < padded; p += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top));
+        _mm256_storeu_ps(scores + p, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return sum_lanes(total);
+}
+
+/* out[0..head_dim) = sum over p of weights[p] * values[p] (head_dim % 8 == 0, <= 256). */
+static void weighted_sum(const float *weights, const float *values, int64_t length, int64_t head_dim, float *out) {
+    for (int64_t i = 0; i < head_dim; i += 64) {
+        int64_t width = head_dim - i < 64 ? (head_dim - i) / 8 : 8;
+        __m256 acc[8];
+        for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < length; p++) {
+            __m256 weight = _mm256_broadcast_ss(weights + p);
+            const float *value = values + p * head_dim + i;
+            for (int v = 0; v < width; v++) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < width; v++) _mm256_storeu_ps(out + i + 8 * v, acc[v]);
+    }
+}
+#else
+static inline float dot(const float *a, const float *b, int64_t count) {
+    float lanes[8] = {0};
+    for (int64_t i = 0; i < count; i += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += a[i + j] * b[i + j];
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+static float exponentiate(float *scores, int64_t length) {
+    float maximum = -INFINITY, total = 0;
+    for (int64_t p = 0; p < length; p++) maximum = scores[p] > maximum ? scores[p] : maximum;
+    for (int64_t p = 0; p < length; p++) total += scores[p] = expf(scores[p] - maximum);
+    return total;
+}
+
+static void weighted_sum(const float *weights, const float *values, int64_t length, int64_t head_dim, float *out) {
+    for (int64_t i = 0; i < head_dim; i++) out[i] = 0;
+    for (int64_t p = 0; p < length; p++)
+        for (int64_t i = 0; i < head_dim; i++) out[i] += weights[p] * values[p * head_dim + i];
+}
+#endif
+
+struct attention_job {
+    const float *qkv; /* [rows, (heads + 2 kv_heads) * head_dim]: queries first */
+    const float *keys, *values; /* one layer's slots [slots, kv_heads, capacity, head_dim] */
+    float *out;                 /* [rows, heads * head_dim] */
+    const int64_t *slots, *lengths;
+    int64_t kv_heads, group, capacity, head_dim, qkv_width;
+    float scaling;
+    float *scratch; /* group * (capacity + 8) floats per unit */
+};
+
+/* Scores of the group's query heads (queries[g * head_dim..]) against positions 0..length-1, scaled: each key is
+ * read once for the whole group. scores: group rows of `stride` floats. */
+static void group_scores(const float *queries, int64_t group, const float *keys, int64_t length, int64_t head_dim,
+                         float scaling, float *scores, int64_t stride) {
+#if LOCKSTEP_AVX2
+    for (int64_t p = 0; p < length; p++) {
+        const float *key = keys + p * head_dim;
+        __m256 acc[8];
+        for (int64_t g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m256 k = _mm256_loadu_ps(key + i);
+            for (int64_t g = 0; g < group; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + g * head_dim + i), k, acc[g]);
+        }
+        for (int64_t g = 0; g < group; g++) scores[g * stride + p] = sum_lanes(acc[g]) * scaling;
+    }
+#else
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t p = 0; p < length; p++)
+            scores[g * stride + p] = dot(queries + g * head_dim, keys + p * head_dim, head_dim) * scaling;
+#endif
+}
+
+/* One (row, KV head) unit: the group's query heads over positions 0..length-1 of the row's slot; the same
+ * operations for a row whatever the other rows (a decode step's rows, or a prompt chunk's tokens). */
+static void attention_unit(const void *context, int64_t unit) {
+    const struct attention_job *job = context;
+    const int64_t row = unit / job->kv_heads, kv_head = unit % job->kv_heads, head_dim = job->head_dim;
+    const int64_t length = job->lengths[row], slot = job->slots[row], stride = job->capacity + 8;
+    const float *keys = job->keys + (slot * job->kv_heads + kv_head) * job->capacity * head_dim;
+    const float *values = job->values + (slot * job->kv_heads + kv_head) * job->capacity * head_dim;
+    float *scores = job->scratch + unit * job->group * stride;
+    const float *queries = job->qkv + row * job->qkv_width + kv_head * job->group * head_dim;
+    group_scores(queries, job->group, keys, length, head_dim, job->scaling, scores, stride);
+    for (int64_t g = 0; g < job->group; g++) {
+        float *weights = scores + g * stride;
+        float inverse = 1.0f / exponentiate(weights, length);
+        for (int64_t p = 0; p < length; p++) weights[p] *= inverse;
+        weighted_sum(weights, values, length, head_dim,
+                     job->out + row * job->group * job->kv_heads * head_dim + (kv_head * job->group + g) * head_dim);
+    }
+}
+
+/* SwiGLU's product, silu(gate) * up (gate first in each row of gate_up). */
+static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t intermediate) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * intermediate, *up = gate + intermediate;
+        int64_t i = 0;
+#if LOCKSTEP_AVX2
+        for (; i + 8 <= intermediate; i += 8) {
+            __m256 g = _mm256_loadu_ps(gate + i);
+            __m256 sigmoid = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                           _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(out + r * intermediate + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < intermediate; i++) out[r * intermediate + i] = gate[i] * (1.0f / (1.0f + expf(-gate[i]))) * up[i];
+    }
+}
+
+/* Rows through every layer of a Llama-shaped model, then the final norm and lm_head for rows first_logit_row..:
+ * a decode step (row r: the next token of slot r) or a prompt chunk (every row in the prompt's one slot, at
+ * consecutive positions), computed alike, so a chunked prompt gives what decoding it token by token gives.
+ * dims: hidden, heads, kv_heads, head_dim, intermediate, capacity, vocabulary, lm_head format.
+ * weights: 6 per layer (input norm f32, q/k/v Q4_1, output Q4_1, post-attention norm f32, gate/up Q4_1, down Q4_1),
+ * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: one float32 slot cache
+ * per layer [slots, kv_heads, capacity, head_dim]. hidden: [rows, hidden] float32, updated in place; row r writes
+ * and attends in slot slots[r], at position positions[r] (it sees positions 0..positions[r]), rotated by cos, sin
+ * [rows, head_dim]; logits: [rows - first_logit_row, vocabulary]. Returns 0, or -1 if scratch memory could not be
+ * had. Rows of one slot must be in order of position. */
+int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const float *eps,
+                        float *const *keys, float *const *values, float *hidden, int64_t rows, const int64_t *slots,
+                        const int64_t *positions, const float *cos, const float *sin, float scaling, float *logits,
+                        int64_t first_logit_row, int helpers) {
+    const int64_t width = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], intermediate = dims[4],
+                  capacity = dims[5], vocabulary = dims[6];
+    const int lm_head_format = (int)dims[7];
+    const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    const int64_t attended_width = heads * head_dim;
+    const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
+    const int64_t widest = width > intermediate ? width : intermediate;
+    float *normed = malloc(floats * sizeof(float) + 64);
+    float *scratch = malloc(rows * heads * (capacity + 8) * sizeof(float) + 64);
+    int64_t *lengths = malloc(rows * sizeof(int64_t) + 8);
+    void *quantized = malloc(quantized_x_bytes(rows, widest > attended_width ? widest : attended_width));
+    if (!normed || !scratch || !lengths || !quantized) {
+        free(normed), free(scratch), free(lengths), free(quantized);
+        return -1;
+    }
+    float *qkv = normed + rows * width, *attended = qkv + rows * qkv_width;
+    float *projected = attended + rows * attended_width, *gate_up = projected + rows * width;
+    float *activated = gate_up + rows * 2 * intermediate;
+    for (int64_t r = 0; r < rows; r++) lengths[r] = positions[r] + 1;
+    int shared = begin_shared(helpers);
+    for (int64_t layer = 0; layer < layers; layer++) {
+        const void *const *w = weights + 6 * layer;
+        rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
+        matmul(shared, normed, quantized, w[1], FORMAT_Q4_1, qkv, rows, qkv_width, width);
+        for (int64_t r = 0; r < rows; r++) {
+            float *token = qkv + r * qkv_width;
+            rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
+            for (int64_t h = 0; h < kv_heads; h++) {
+                int64_t at = ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
+                memcpy(keys[layer] + at, token + (heads + h) * head_dim, head_dim * sizeof(float));
+                memcpy(values[layer] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
+            }
+        }
+        struct attention_job attention = {qkv, keys[layer], values[layer], attended, slots, lengths, kv_heads, group,
+                                          capacity, head_dim, qkv_width, scaling, scratch};
+        run_units(shared, attention_unit, &attention, rows * kv_heads);
+        matmul(shared, attended, quantized, w[2], FORMAT_Q4_1, projected, rows, width, attended_width);
+        for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
+        rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
+        matmul(shared, normed, quantized, w[4], FORMAT_Q4_1, gate_up, rows, 2 * intermediate, width);
+        silu_mul(gate_up, activated, rows, intermediate);
+        matmul(shared, activated, quantized, w[5], FORMAT_Q4_1, projected, rows, width, intermediate);
+        for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
+    }
+    const int64_t logit_rows = rows - first_logit_row;
+    rms_norm(hidden + first_logit_row * width, weights[6 * layers], normed, logit_rows, width, eps[2 * layers]);
+    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_rows, vocabulary, width);
+    if (shared) end_shared();
+    free(normed), free(scratch), free(lengths), free(quantized);
+    return 0;
+}

@@ -1,0 +1,68 @@
+"""What this machine can compute with, and the choices that follow from it (dtype, weight format), with the reason
+for each. Read from /proc/cpuinfo and the CUDA driver's device node: no torch, so the parent may call it before
+the fork. Torch's own idea of the CPU (`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY lowers)
+is asked in the worker only."""
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+
+# The instruction sets that change what is fast, in the order a host is named by its best one.
+ISA_FLAGS = (("AMX-BF16", {"amx_bf16"}), ("AVX512-BF16", {"avx512_bf16"}), ("AVX-512", {"avx512f"}),
+             ("AVX2+FMA", {"avx2", "fma"}), ("NEON", {"asimd"}))
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's, and ARM's (Features: bf16)
+CAPABILITY_MASK_ENV = "LOCKSTEP_CPU_FLAGS_MASK"  # flags to hide (comma-separated): test a lesser host's path
+
+
+@dataclass(frozen=True)
+class Host:
+    arch: str
+    flags: frozenset[str]
+    num_cores: int
+    has_cuda: bool
+
+    @property
+    def isa(self) -> str:
+        """The best instruction set that matters here, e.g. "AVX2+FMA"."""
+        return next((name for name, needed in ISA_FLAGS if needed <= self.flags), "baseline")
+
+    @property
+    def has_native_bf16(self) -> bool:
+        return bool(NATIVE_BF16_FLAGS & self.flags)
+
+    def describe(self) -> str:
+        return f"{self.arch} {self.isa}, {self.num_cores} cores" + (", CUDA" if self.has_cuda else "")
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, ARM `Features`), less any named in LOCKSTEP_CPU_FLAGS_MASK."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    masked = {flag.strip() for flag in os.environ.get(CAPABILITY_MASK_ENV, "").split(",") if flag.strip()}
+    return frozenset(flags - masked)
+
+
+def detect_host() -> Host:
+    has_cuda = os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+    return Host(platform.machine(), cpu_flags(), os.cpu_count() or 1, has_cuda)
+
+
+def choose_dtype(configured: str, device: str, host: Host) -> tuple[str, str]:
+    """(dtype, why). `auto`: bfloat16 where the hardware computes it (a GPU, AVX512-BF16, AMX, ARM's BF16), else
+    float32: emulated bfloat16 is slower than float32 (AVX2: a decode step's matmuls 8-20x slower)."""
+    if configured != "auto":
+        return configured, f"configured: {configured}"
+    if device == "cuda" or (device == "auto" and host.has_cuda):
+        return "bfloat16", "auto: a CUDA GPU computes bfloat16"
+    if host.has_native_bf16:
+        return "bfloat16", f"auto: this CPU computes bfloat16 ({host.isa})"
+    return "float32", f"auto: this CPU has no bfloat16 instructions ({host.isa}), so bfloat16 would be emulated"
