@@ -93,8 +93,8 @@ def make_server_for():
 
 @pytest.fixture(scope="module")
 def smol_server(smol_model_dir):
-    """One live server with the real embedded model (bfloat16, its default), shared by a module."""
-    server = start_live_server(smol_model_dir, dtype="bfloat16", threads=0)
+    """One live server with the real embedded model on its defaults for this host, shared by a module."""
+    server = start_live_server(smol_model_dir, threads=0)
     yield server
     server.stop()
 

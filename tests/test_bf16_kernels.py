@@ -26,8 +26,17 @@ PROMPTS = ["The capital of France is", "Write a short paragraph about the ocean.
            "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a"]
 
 
+MISSING_INSTRUCTIONS = sorted(native.CPU_FLAGS - native._cpu_flags())
+# The kernels' own instructions: where the CPU lacks them, their tests are skipped (and the 4-bit kernels'
+# dispatch test, tests/test_q4_kernels.py, shows which path this host runs instead).
+needs_avx512_bf16 = pytest.mark.skipif(bool(MISSING_INSTRUCTIONS),
+                                       reason=f"this CPU lacks {', '.join(MISSING_INSTRUCTIONS)}")
+
+
 @pytest.fixture(scope="module")
 def kernels():
+    if MISSING_INSTRUCTIONS:
+        pytest.skip(f"this CPU lacks {', '.join(MISSING_INSTRUCTIONS)}")
     loaded = native.load_bf16_kernels(default_cache_dir())
     assert loaded is not None, "this machine (AVX512-BF16, a C compiler) should run the kernels; see the log"
     return loaded
@@ -193,6 +202,7 @@ def test_the_fast_forward_on_the_kernels_is_as_accurate_as_on_onednn(kernels, sm
         assert errors["kernels"] < 2 * errors["onednn"] + 0.25, (text, errors)
 
 
+@needs_avx512_bf16
 @torch.inference_mode()
 def test_the_backend_decodes_on_the_kernels_by_default_here(smol_model_dir):
     threads = torch.get_num_threads()
@@ -210,6 +220,7 @@ def test_the_backend_decodes_on_the_kernels_by_default_here(smol_model_dir):
     torch.set_num_threads(threads)
 
 
+@needs_avx512_bf16
 def test_kernels_that_compute_wrong_numbers_are_not_used(monkeypatch, caplog, smol_model_dir):
     monkeypatch.setattr(native.Bf16Kernels, "computes_correctly", lambda self: False)
     with caplog.at_level(logging.WARNING, logger="engine.backends.native"):
@@ -226,13 +237,14 @@ def test_no_kernels_without_the_cpu_instructions_or_a_working_compiler(monkeypat
         monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "avx512f"})
         assert native.load_bf16_kernels(str(tmp_path)) is None
         assert "lacks avx512_bf16, avx512bw, avx512vl" in caplog.text
-        monkeypatch.undo()
+        monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.CPU_FLAGS))  # as if it had them, to build
         monkeypatch.setenv("CC", "false")  # a compiler that fails
         assert native.load_bf16_kernels(str(tmp_path)) is None
         assert "could not build" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left to load later
 
 
+@needs_avx512_bf16
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):
     """gunicorn workers and test processes may start together on an empty cache folder."""
     script = ("import sys; from engine.backends import native; "

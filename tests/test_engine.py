@@ -26,7 +26,10 @@ def test_kv_cached_decode_equals_full_recompute(make_engine, request, model, num
     model_dir = request.getfixturevalue(MODEL_FIXTURES[model])
     engine = make_engine(model_dir)
     prompts = [engine.encode(p) for p in PROMPTS]
-    expected = run_job("recompute_greedy", model_dir=model_dir, prompts=prompts, num_tokens=num_tokens)
+    # the engine's own weights: on the embedded model, its 4-bit blocks (the default where they load)
+    weights = "q4" if engine.info.weights == "q4_1" else "exact"
+    expected = run_job("recompute_greedy", model_dir=model_dir, prompts=prompts, num_tokens=num_tokens,
+                       weights=weights)
     got = [list(o.output_token_ids)
            for o in engine.generate(PROMPTS, SamplingParams(max_tokens=num_tokens, ignore_eos=True))]
     assert got == expected

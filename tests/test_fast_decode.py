@@ -11,6 +11,7 @@ from engine.backends.fast_decode import FastDecoder, Linear
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.config import EngineConfig
+from engine.hardware import detect_host
 from engine.messages import NewRequest, WorkerSampling
 
 
@@ -135,8 +136,8 @@ def test_reordered_weights_compute_what_the_plain_matmul_does(smol_model_dir):
     weights = [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight]
     for weight in weights:
         linear = Linear(weight)
-        if torch.backends.mkldnn.is_available():
-            assert linear.packed is not None
+        if torch.backends.mkldnn.is_available() and detect_host().has_native_bf16:
+            assert linear.packed is not None  # where bfloat16 is emulated, oneDNN's reorder may compute otherwise
         x = torch.randn(17, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for rows in (1, 2, 5, 17):
             assert torch.equal(linear(x[:rows]), torch.nn.functional.linear(x[:rows], weight))

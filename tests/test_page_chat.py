@@ -232,6 +232,17 @@ def test_render_cost_of_a_streamed_answer_stays_flat(open_page):
     assert result["incrementalMs"] * 3 < result["fullMs"]
 
 
+def wait_done_while_it_streams(page, answer) -> None:
+    """Wait for the answer's end for as long as its text keeps growing: each wait ends at the next piece (or the
+    end), so a slow host only makes it take longer; only a stream that stops for GENERATION_MS fails."""
+    handle = answer.element_handle()
+    while not answer.locator("[data-k=finish]").is_visible():
+        length = page.evaluate("(el) => el.querySelector('.body').textContent.length", handle)
+        page.wait_for_function("([el, length]) => el.querySelector('[data-k=finish]') !== null"
+                               " || el.querySelector('.body').textContent.length > length",
+                               arg=[handle, length], timeout=GENERATION_MS)
+
+
 def test_a_1000_token_answer_streams_without_long_tasks(open_page):
     """The real model, 1,000 tokens (ignore_eos added on the way out), markdown rendered as it streams."""
     page, _ = open_scripted(open_page, rewrite=lambda frame: {**frame, "ignore_eos": True})
@@ -244,7 +255,7 @@ def test_a_1000_token_answer_streams_without_long_tasks(open_page):
     }""")
     send(page, "Write a markdown tutorial about Python lists with headings, bullet points, a table and code blocks.")
     answer = last_answer(page)
-    wait_done(answer)
+    wait_done_while_it_streams(page, answer)
     expect(answer.locator("[data-k=tokens]")).to_have_text("1000 tokens")
     stats = page.evaluate("lockstepMarkdown.renderStats")
     long_tasks = page.evaluate("window.__longTasks")

@@ -43,22 +43,43 @@ def build_tiny_model(target: str, architecture: str, tokenizer_dir: str) -> str:
     return target
 
 
-def recompute_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int, dtype: str = "float32"):
-    """The original design's decoding: no KV cache, the whole sequence re-run for every token."""
+def recompute_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int, dtype: str = "float32",
+                     weights: str = "exact"):
+    """The original design's decoding: no KV cache, the whole sequence re-run for every token (with weights="q4":
+    on the embedded model's 4-bit blocks and lockstep's kernels, a fresh prompt cache each time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    next_logits = (lambda ids: model(torch.tensor([ids]), use_cache=False).logits[0, -1]) if weights == "exact" \
+        else _q4_recompute(model, model_dir)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = list(prompt)
             for _ in range(num_tokens):
-                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
-                ids.append(int(logits.float().argmax()))
+                ids.append(int(next_logits(ids).float().argmax()))
             outputs.append(ids[len(prompt):])
     return outputs
+
+
+def _q4_recompute(model, model_dir: str):
+    import torch
+
+    from engine.backends.fast_decode import FastDecoder
+    from engine.backends.q4 import Q4Weights, load_q4_kernels
+    from engine.config import EngineConfig
+    from engine.model_store import gguf_of
+
+    weights = Q4Weights.from_gguf(gguf_of(model_dir, EngineConfig()), model.config)
+    weights.give_model_the_same_weights(model)
+    decoder = FastDecoder(model, q4=(load_q4_kernels(EngineConfig().cache_dir, helpers=0), weights))
+
+    def next_logits(ids):
+        return decoder.prefill(torch.tensor(ids), 0, decoder.new_prompt_cache(len(ids)))
+
+    return next_logits
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..hardware import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_kernels.c")
@@ -366,11 +368,4 @@ def _built_library(folder: Path, compiler: str) -> Path:
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_flags())

@@ -27,9 +27,9 @@ from ..hardware import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_kernels.c")
-ARCH_FLAGS = ("-mcpu=native",) if platform.machine() in ("aarch64", "arm64") else ("-march=native",)
-# -ffp-contract=off: no FMA where the source says multiply, then add (the weights dequantize as gguf-py's)
-COMPILE_FLAGS = ("-O3", *ARCH_FLAGS, "-ffp-contract=off", "-shared", "-fPIC")
+# x86 instruction sets the capability mask (hardware.CAPABILITY_MASK_ENV) can take away from -march=native, so a
+# host with them builds and tests the code a lesser host runs (no AVX2: the portable C).
+MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f"}
 LINK_FLAGS = ("-lm", "-pthread")
 COMPILE_TIMEOUT_S = 120
 BLOCK = 32
@@ -354,18 +354,28 @@ def load_q4_kernels(cache_dir: str, helpers: int) -> Q4Kernels | None:
     return kernels
 
 
+def compile_flags() -> tuple[str, ...]:
+    """-O3 for this CPU, less what the capability mask hides; -ffp-contract=off: no FMA where the source says
+    multiply, then add (the weights dequantize as gguf-py's)."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return "-O3", "-mcpu=native", "-ffp-contract=off", "-shared", "-fPIC"
+    hidden = tuple(flag for name, flag in MASKABLE_X86.items() if name not in cpu_flags())
+    return "-O3", "-march=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"
+
+
 def _built_library(folder: Path, compiler: str) -> Path:
     """One file per source, flags and CPU (-march=native code for one CPU may not run on another that shares the
     cache folder); built into a temporary name and renamed, so processes that build at once never load a
     half-written file."""
-    key = SOURCE.read_bytes() + " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS, *sorted(cpu_flags()))).encode()
+    flags = compile_flags()
+    key = SOURCE.read_bytes() + " ".join((compiler, *flags, *LINK_FLAGS, *sorted(cpu_flags()))).encode()
     target = folder / f"q4_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as building:
         built = Path(building) / target.name
-        command = [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS]
+        command = [compiler, *flags, str(SOURCE), "-o", str(built), *LINK_FLAGS]
         done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

@@ -1,0 +1,195 @@
+"""The embedded model on its own 4-bit blocks (engine/backends/q4.py, q4_kernels.c): which path this host runs and
+why; the blocks are the model's weights; the matmul within its error bound and every row the same alone as in any
+batch, with or without the helper thread; a prompt chunked, whole or decoded token by token computes the same bits;
+quality against the float32 dequantized GGUF; the portable C under the capability mask; bad inputs refused."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import hardware
+from engine.backends.fast_decode import FastDecoder
+from engine.backends.hf import HFBackend
+from engine.backends.kv_cache import SlotKVCache, use_slot_attention
+from engine.backends.q4 import Q4Weights, QuantizedWeight, error_bound, load_q4_kernels
+from engine.config import EngineConfig, default_cache_dir
+from engine.model_store import gguf_of
+
+# A fixed English text (the model's own kind of answer) for the quality check.
+TEXT = ("The ocean covers more than seventy percent of the surface of the Earth. It holds most of the planet's "
+        "water and is home to a vast range of life, from tiny plankton to the blue whale, the largest animal that "
+        "has ever lived. Ocean currents carry heat from the equator toward the poles and shape the weather on "
+        "land. Scientists study the ocean with ships, buoys and satellites, and yet much of the deep sea remains "
+        "unexplored. Protecting it from pollution and overfishing is one of the great tasks of this century.")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_q4_kernels(default_cache_dir(), helpers=1)
+    assert loaded is not None, "a host with a C compiler runs the 4-bit kernels; see the log"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def gguf_model(smol_model_dir):
+    """The float32 model given the GGUF's weights dequantized (the reference), and its blocks."""
+    model = AutoModelForCausalLM.from_pretrained(smol_model_dir, dtype=torch.float32).eval()
+    assert use_slot_attention(model)
+    weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), model.config)
+    weights.give_model_the_same_weights(model)
+    return model, weights
+
+
+@torch.inference_mode()
+def test_this_host_computes_on_what_it_has(smol_model_dir):
+    host = hardware.detect_host()
+    backend = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
+    info = backend.info
+    assert (info.weights, info.dtype) == ("q4_1", "float32")
+    has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
+    assert backend.fast_decoder.q4.uses_avx2 == has_avx2
+    assert ("AVX2+FMA" if has_avx2 else "portable C") in info.compute
+    assert host.isa in info.compute_reason and "4-bit" in info.compute_reason
+    backend.close()
+    exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
+    assert exact.info.weights == ""
+    assert exact.info.dtype == ("bfloat16" if host.has_native_bf16 else "float32")  # never emulated bfloat16
+    assert "bfloat16" in exact.info.compute_reason
+    exact.close()
+
+
+def test_a_model_without_4_bit_blocks_keeps_its_weights(tiny_model_dir):
+    backend = HFBackend(EngineConfig(model=tiny_model_dir, device="cpu"), tiny_model_dir)
+    assert backend.info.weights == "" and (backend.fast_decoder is None or backend.fast_decoder.q4 is None)
+    backend.close()
+
+
+def test_the_blocks_are_the_models_weights(smol_model_dir, gguf_model):
+    """Rounded to bfloat16, the dequantized blocks are the prepared safetensors, parameter by parameter: the
+    blocks were read in transformers' order (q/k rows un-permuted) and fused in the fast forward's order."""
+    prepared = AutoModelForCausalLM.from_pretrained(smol_model_dir, dtype=torch.bfloat16)
+    model, _ = gguf_model
+    for (name, exact), (_, rounded) in zip(model.named_parameters(), prepared.named_parameters()):
+        assert torch.equal(exact.to(torch.bfloat16), rounded), name
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_the_matmul_on_the_models_blocks_within_its_bound_and_row_by_row(kernels, gguf_model, rows):
+    _, weights = gguf_model
+    layer = weights.layers[0]
+    generator = torch.Generator().manual_seed(rows)
+    for weight in (layer.qkv, layer.out, layer.gate_up, layer.down, weights.lm_head):
+        x = torch.randn(rows, weight.in_features, generator=generator) * 3
+        together = kernels.linear(x, weight)
+        exact, bound = error_bound(x, weight.dequantized())
+        assert bool(((together.double() - exact).abs() <= bound).all())
+        for row in range(rows):  # each row alone, and on one thread, the same bits
+            assert torch.equal(kernels.linear(x[row:row + 1], weight), together[row:row + 1])
+        alone = load_q4_kernels(default_cache_dir(), helpers=0)
+        assert torch.equal(alone.linear(x, weight), together)
+
+
+@torch.inference_mode()
+def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_model):
+    model, weights = gguf_model
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    ids = torch.tensor(model_tokens(TEXT))[:90]
+    whole_cache = decoder.new_prompt_cache(len(ids))
+    whole = decoder.prefill(ids, 0, whole_cache, all_positions=True)
+    chunked_cache, parts = decoder.new_prompt_cache(len(ids)), []
+    for start, end in ((0, 31), (31, 32), (32, 90)):
+        parts.append(decoder.prefill(ids[start:end], start, chunked_cache, all_positions=True))
+    assert torch.equal(torch.cat(parts), whole)
+    assert all(torch.equal(a, b) for a, b in zip(whole_cache.keys + whole_cache.values,
+                                                 chunked_cache.keys + chunked_cache.values))
+    # two rows decoding in slots: row 0 feeds token 60 after a 60-token prompt; row 1 the whole prompt's next
+    config = model.config
+    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.float32,
+                        torch.device("cpu"))
+    short = decoder.new_prompt_cache(60)
+    decoder.prefill(ids[:60], 0, short)
+    cache.add_row([(layer.keys, layer.values) for layer in short.layers], 60)
+    cache.add_row([(layer.keys, layer.values) for layer in whole_cache.layers], 90)
+    position_ids, mask = cache.prepare_decode()
+    logits = decoder.decode(torch.tensor([[int(ids[60])], [7]]), position_ids, mask, cache)
+    assert torch.equal(logits[0], whole[60])
+
+
+@torch.inference_mode()
+def test_quality_against_the_float32_dequantized_gguf(kernels, gguf_model):
+    """The 8-bit rounding of activations (as llama.cpp's) costs little: the next-token argmax agrees with the
+    float32 model on most positions of a fixed text, and the perplexity is within 2% of its."""
+    model, weights = gguf_model
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    ids = torch.tensor(model_tokens(TEXT))
+    reference = model(input_ids=ids[None]).logits[0]
+    got = decoder.prefill(ids, 0, decoder.new_prompt_cache(len(ids)), all_positions=True)
+    agreement = float((reference.argmax(-1) == got.argmax(-1)).float().mean())
+
+    def perplexity(logits):
+        return float(torch.nn.functional.cross_entropy(logits[:-1], ids[1:]).exp())
+
+    print(f"\nargmax agreement {agreement:.3f}, perplexity {perplexity(got):.3f} vs {perplexity(reference):.3f}")
+    assert agreement >= 0.9
+    assert abs(perplexity(got) / perplexity(reference) - 1) < 0.02
+
+
+def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_model):
+    """What a host without AVX2 runs, built and checked here by hiding the instructions from the compiler."""
+    monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, "avx2,fma,f16c,avx512f")
+    hardware.cpu_flags.cache_clear()
+    try:
+        portable = load_q4_kernels(str(tmp_path), helpers=1)
+        assert portable is not None and not portable.uses_avx2 and "portable C" in portable.name
+        assert not {"avx2", "fma"} & hardware.detect_host().flags
+    finally:
+        monkeypatch.delenv(hardware.CAPABILITY_MASK_ENV)
+        hardware.cpu_flags.cache_clear()
+    _, weights = gguf_model
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
+    for weight in (weights.layers[0].qkv, weights.lm_head):
+        exact, bound = error_bound(x, weight.dequantized())
+        assert bool(((portable.linear(x, weight).double() - exact).abs() <= bound).all())
+
+
+def test_processes_that_build_it_at_once_all_load_it(tmp_path):
+    script = ("import sys; from engine.backends import q4; "
+              "sys.exit(0 if q4.load_q4_kernels(sys.argv[1], 1) is not None else 1)")
+    builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(4)]
+    assert [builder.wait(timeout=180) for builder in builders] == [0, 0, 0, 0]
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def test_a_compiler_that_fails_means_no_kernels(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")
+    assert load_q4_kernels(str(tmp_path), helpers=0) is None
+    assert "could not build" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
+    model, weights = gguf_model
+    weight = weights.layers[0].out
+    with pytest.raises(ValueError):
+        kernels.linear(torch.ones(2, 576, dtype=torch.bfloat16), weight)
+    with pytest.raises(ValueError):
+        kernels.linear(torch.ones(2, 100), weight)
+    with pytest.raises(IndexError):
+        kernels.dequantize_rows(weights.lm_head, torch.tensor([49152]))
+    with pytest.raises(ValueError):
+        QuantizedWeight.concat(weights.layers[0].out, weights.layers[0].down)
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    cache = decoder.new_prompt_cache(4)
+    with pytest.raises(ValueError):  # past the prompt cache's capacity
+        decoder.prefill(torch.tensor([1, 2, 3]), 2, cache)
+
+
+def model_tokens(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from engine.model_store import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir(default_cache_dir()))(text)["input_ids"]
