@@ -7,13 +7,21 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test setup model chromium nginx vllm ray bench bench-engine llama-cpp screenshots clean
+.PHONY: serve test test-avx2-path setup model chromium nginx vllm ray bench bench-engine llama-server screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
 
 test: setup model chromium nginx vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-avx2-path
+
+# The decode-path tests once more as an AVX2-only CPU runs them (lockstep's capability mask, ATen's and oneDNN's own
+# caps): on a host with AVX-512 a green suite then also proves the path of the commonest laptops and servers.
+AVX2_MASK := avx512f,avx512bw,avx512vl,avx512_bf16,amx_bf16,amx_tile,amx_int8
+test-avx2-path: setup model
+	LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest -q tests/test_q4_kernels.py tests/test_batch_invariance.py -k "not bfloat16"
 
 setup: $(STAMP)
 
@@ -60,10 +68,11 @@ $(RAY_STAMP): $(VLLM_STAMP)
 	$(PIP) install $(VLLM_PIP_FLAGS) 'ray>=2.40'
 	touch $(RAY_STAMP)
 
-# The serving comparison (docs/benchmarks.md): lockstep's configurations beside vLLM's and llama.cpp's servers, one
-# after another, then the serving section and its plot rewritten. About 15 minutes; not part of `make test`.
+# The serving comparison (docs/benchmarks.md): lockstep's configurations beside vLLM's server and llama.cpp's own
+# llama-server, one after another, then the serving section and its plot rewritten. About 20 minutes; not part of
+# `make test`.
 BENCH_STAMP := $(VENV)/.bench-installed
-bench: setup model vllm llama-cpp $(BENCH_STAMP)
+bench: setup model vllm llama-server $(BENCH_STAMP)
 	$(PY) -m bench compare --docs docs/benchmarks.md $(BENCH_ARGS)
 
 $(BENCH_STAMP): $(STAMP)
@@ -74,14 +83,28 @@ $(BENCH_STAMP): $(STAMP)
 bench-engine: setup model
 	$(PY) -m bench.throughput $(BENCH_ARGS)
 
-# llama.cpp's OpenAI server, the peer at one client: llama-cpp-python builds llama.cpp from source (about 8 minutes on
-# 2 cores; pip keeps the built wheel in its cache, so a second venv installs it in seconds).
-LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-installed
-llama-cpp: $(LLAMA_CPP_STAMP)
+# llama.cpp's native server, the peer: built once with cmake from the llama.cpp tree that llama-cpp-python's sdist
+# vendors (pip downloads the sdist; no web UI, no curl), into .cache/llama.cpp (about 35 minutes on 2 cores); and a
+# bfloat16 GGUF of the prepared model, made by that tree's convert_hf_to_gguf.py, for the exact-weights comparison.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_DIR := .cache/llama.cpp
+LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)
+LLAMA_SERVER := $(LLAMA_SRC)/build/bin/llama-server
+LLAMA_BF16_GGUF := $(LLAMA_DIR)/SmolLM2-135M-Instruct-bf16.gguf
+llama-server: $(LLAMA_SERVER) $(LLAMA_BF16_GGUF)
 
-$(LLAMA_CPP_STAMP): $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install $(PIP_FLAGS) 'llama-cpp-python[server]'
-	touch $(LLAMA_CPP_STAMP)
+$(LLAMA_SERVER): | $(STAMP)
+	mkdir -p $(LLAMA_DIR)
+	$(PIP) download --disable-pip-version-check -q --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(LLAMA_DIR)
+	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_DIR)
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
+	cmake --build $(LLAMA_SRC)/build -j$$(nproc) -t llama-server llama-bench
+
+$(LLAMA_BF16_GGUF): $(LLAMA_SERVER) $(MODEL)
+	PYTHONPATH=$(LLAMA_SRC)/vendor/llama.cpp/gguf-py $(PY) $(LLAMA_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(dir $(MODEL)) --outtype bf16 --outfile $@
 
 # Refresh docs/screenshot-*.png from a real browser session (best on an idle machine).
 screenshots: setup model chromium

@@ -1,6 +1,6 @@
 """Side by side: start each server configuration in turn, run the same sweep, stop it, compare.
 
-    python -m bench compare [--configs hf,hf-static,hf-none,vllm,vllm-server,llama-cpp] [--concurrency 1,8,16]
+    python -m bench compare [--configs hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16] [--concurrency 1,8,16]
         [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--deadline 120] [--out-dir .cache/bench]
         [--probe/--no-probe] [--probe-streams 8] [--probe-count 15] [--docs docs/benchmarks.md]
 
@@ -8,8 +8,9 @@ Every configuration gets the same load (bench/serve.py): the built-in prompts, g
 clients (at most N requests in flight, 2 requests per client), then, for the configurations marked so, one request
 each of 64, 256 and 1,024 output tokens alone (the per-token cost as a sequence grows), then the TTFT of a
 ~30-token prompt beside 8 running streams (bench/probe.py). Servers that are not
-installed are skipped and say so. The ratios compare each lockstep configuration with the best peer (vLLM's or
-llama.cpp's server) measured in the same run. Results: a table on the terminal, compare.json and compare.png in
+installed are skipped and say so. The ratios compare each lockstep configuration with the peer on the same
+weights (llama-server on the Q4_1 GGUF for the defaults, on a bfloat16 GGUF for exact weights), else the best peer,
+measured in the same run. Results: a table on the terminal, compare.json and compare.png in
 --out-dir, and with --docs the serving section of that Markdown file (and its plot beside it) rewritten.
 """
 import argparse
@@ -29,8 +30,13 @@ from .peers import SERVED_NAME, ServerConfig, start_server
 logger = logging.getLogger(__name__)
 
 CONFIGS = {
-    "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True,
-                       description="gunicorn as `make serve` starts it, no settings"),
+    "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True, same_weights_peer="llama-server",
+                       description="gunicorn as `make serve` starts it, no settings (here: the 4-bit GGUF blocks on "
+                                   "lockstep's kernels)"),
+    "hf-exact": ServerConfig("lockstep hf, exact weights", "lockstep", (("LOCKSTEP_WEIGHTS", "exact"),),
+                             same_weights_peer="llama-server bf16",
+                             description="`LOCKSTEP_WEIGHTS=exact`: the prepared bfloat16 weights, in float32 where "
+                                         "the CPU has no bfloat16 instructions"),
     "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),),
                               description="`LOCKSTEP_POLICY=static`"),
     # One request at a time: 2 requests per client would take minutes at 16 clients, so each client sends one.
@@ -44,13 +50,14 @@ CONFIGS = {
                                 description="`python -m vllm.entrypoints.openai.api_server --dtype bfloat16 "
                                             "--enforce-eager --max-num-seqs 16`, 1 GiB of KV cache as lockstep's "
                                             "vLLM backend, `ignore_eos` in the body"),
-    "llama-cpp": ServerConfig("llama.cpp server", "llama-cpp", is_peer=True, in_length_sweep=True,
-                              description="`python -m llama_cpp.server` on the embedded Q4_1 GGUF, `--n_threads 2 "
-                                          "--n_ctx 8192 --interrupt_requests False` (by default a new request cuts "
-                                          "off the stream in progress); it has no `ignore_eos`, so its special "
-                                          "tokens are banned with `logit_bias`"),
+    "llama-server": ServerConfig("llama-server", "llama-server", is_peer=True, in_length_sweep=True,
+                                 description="llama.cpp's native server (`make llama-server`) on the embedded Q4_1 "
+                                             "GGUF, `-t <cores> -np 16 -c 32768`, `ignore_eos` in the body"),
+    "llama-server-bf16": ServerConfig("llama-server bf16", "llama-server", is_peer=True, gguf="bf16",
+                                      description="the same on a bfloat16 GGUF of the prepared model "
+                                                  "(convert_hf_to_gguf.py --outtype bf16)"),
 }
-STANDARD = "hf,hf-static,hf-none,vllm,vllm-server,llama-cpp"
+STANDARD = "hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16"
 READY_TIMEOUT_S = 300
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent.parent / ".cache" / "bench"
 
@@ -81,7 +88,7 @@ def run_config(config: ServerConfig, plan: Plan, tokenizer, model_dir: str, out_
 
 def _run_sweep(result: ConfigResult, url: str, plan: Plan, tokenizer, show_progress: bool) -> None:
     config = result.config
-    sampling = serve.Sampling.greedy(tokenizer, config.eos_method)
+    sampling = serve.Sampling.greedy(tokenizer, "field")
     per_client = config.requests_per_client or plan.requests_per_client
     points = [(c, plan.output_len, per_client * c) for c in plan.concurrency]
     if config.in_length_sweep:
@@ -175,7 +182,7 @@ def main(argv=None) -> None:
 
 def publish(report: Report, args, out_dir: Path) -> None:
     """The table on the terminal, the plot, and with --docs the Markdown section."""
-    plot_path = Path(args.docs).parent / "bench-serving.png" if args.docs else out_dir / "compare.png"
+    plot_path = Path(args.docs).parent / report.plot_name if args.docs else out_dir / "compare.png"
     report.plot(plot_path)
     logger.info("%s", report.terminal_text())
     if args.docs:

@@ -1,6 +1,14 @@
-"""Where a decode step's time goes in the transformers backend (issue 10, item 3).
+"""Where a decode step's time goes in the transformers backend (issue 10, item 3), and which kernels to compute it
+with on this host (issue 20).
 
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
+    python -m bench.decode_profile --paths [--compile]
+
+--paths: one decode step's weight matmuls (every layer's fused q/k/v, output, fused gate/up and down, and the
+lm_head) at 1, 8 and 16 rows, on each way this host offers: PyTorch's float32 and bfloat16 matmuls (oneDNN/MKL),
+ATen's weight-only int8 and int4 CPU matmuls as torchao calls them, with --compile inductor's code for an int8
+weight-only matmul, and lockstep's 4-bit kernels on the GGUF's own blocks (1 thread and with the helpers); then
+the whole 4-bit decode step. The CPU's instruction sets head the table.
 
 Three tables, in one process so the ratios compare even on a busy machine:
 1. ms per decode step and tokens/s, batch 1 / 8 / 16 at contexts 64 / 256 / 1,024: the design the
@@ -21,6 +29,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import os
 import statistics
 import time
 from unittest import mock
@@ -198,15 +207,94 @@ def side_costs(model_path: str, model, dtype: str) -> list[str]:
             f"| incremental detokenizer in the parent, with a stop string | {detok_us:.0f} µs per token |"]
 
 
+def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
+    """ms for one decode step's weight matmuls on each path, at 1 / 8 / 16 rows (see the docstring)."""
+    from engine.backends.q4 import Q4Weights, load_q4_kernels
+    from engine.hardware import detect_host
+    from engine.model_store import gguf_of
+
+    config, cache_dir = model.config, EngineConfig().cache_dir
+    blocks = Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), config)
+    dense = [w.dequantized() for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    dense.append(blocks.lm_head.dequantized())
+    quantized = [w for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    quantized.append(blocks.lm_head)
+    paths = {"float32 matmul (oneDNN/MKL)": _dense_path(dense, torch.float32),
+             "bfloat16 matmul (oneDNN)": _dense_path(dense, torch.bfloat16),
+             "int8 weight-only (_weight_int8pack_mm)": _int8_path(dense),
+             "int4 weight-only (_weight_int4pack_mm_for_cpu, groups of 32)": _int4_path(dense)}
+    if with_compile:
+        paths["int8 weight-only, torch.compile (inductor)"] = _int8_path(dense, compiled=True)
+    for helpers in (0, (os.cpu_count() or 1) - 1):
+        kernels = load_q4_kernels(cache_dir, helpers)
+        if kernels is not None:
+            paths[f"lockstep 4-bit kernels, {helpers + 1} thread(s)"] = \
+                lambda x, kernels=kernels: [kernels.linear(x[w.in_features], w) for w in quantized]
+    rows = [f"{detect_host().describe()}; flags: {' '.join(sorted(detect_host().flags & PATH_FLAGS))}", "",
+            "| one decode step's weight matmuls, ms | 1 row | 8 rows | 16 rows |", "|---|---:|---:|---:|"]
+    for name, run in paths.items():
+        cells = []
+        for batch in (1, 8, 16):
+            inputs = {width: torch.randn(batch, width) for width in (config.hidden_size, config.intermediate_size)}
+            try:
+                wall, _ = timed(lambda: run(inputs), num_steps)
+                cells.append(f"{wall * 1e3:.1f}")
+            except (RuntimeError, NotImplementedError) as exc:  # a path this torch build lacks
+                cells.append(f"fails: {str(exc).splitlines()[0][:60]}")
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+    return rows
+
+
+PATH_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "asimd", "bf16"}
+
+
+def _dense_path(weights: list[torch.Tensor], dtype: torch.dtype):
+    cast = [w.to(dtype) for w in weights]
+    return lambda x: [torch.nn.functional.linear(x[w.shape[1]].to(dtype), w) for w in cast]
+
+
+def _int8_path(weights: list[torch.Tensor], compiled: bool = False):
+    """Per-output-channel int8, as torchao's int8 weight-only quantization calls ATen."""
+    scales = [w.abs().amax(dim=1).clamp(min=1e-12) / 127 for w in weights]
+    ints = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+    matmul = torch._weight_int8pack_mm
+    if compiled:
+        matmul = torch.compile(lambda x, w, s: (x @ w.to(x.dtype).T) * s, dynamic=False)
+    return lambda x: [matmul(x[w.shape[1]], w, s) for w, s in zip(ints, scales)]
+
+
+def _int4_path(weights: list[torch.Tensor]):
+    """Asymmetric int4 in groups of 32 (tinygemm's layout: (q - 8) * scale + zero), as torchao's int4 weight-only
+    quantization calls ATen on CPU."""
+    packed = []
+    for w in weights:
+        groups = w.view(w.shape[0], -1, 32)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(w.shape)
+        zero = low + 8 * scale
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K / 32, N, 2]
+        packed.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros, w.shape[1]))
+    return lambda x: [torch._weight_int4pack_mm_for_cpu(x[k], p, 32, sz) for p, sz, k in packed]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip-before", action="store_true", help="only the slot cache in table 1")
+    parser.add_argument("--paths", action="store_true", help="the weight matmuls on every path this host offers")
+    parser.add_argument("--compile", action="store_true", help="with --paths: also inductor's int8 matmul")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model_path = resolve_model(EngineConfig())
+    if args.paths:
+        torch.set_num_threads(args.threads)
+        with torch.inference_mode():
+            config_only = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            print("\n".join(paths_table(config_only, args.steps, args.compile)))
+        return
     # Side costs first: the executor forks a worker, which must happen before this process starts torch threads.
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """The servers `python -m bench compare` starts, one at a time, each on a free loopback port: lockstep (gunicorn as
-`make serve` runs it, with LOCKSTEP_* settings), vLLM's own OpenAI server and llama.cpp's (llama-cpp-python), the
-last two only when installed. Each runs in its own process group with its log under the output folder, and is
+`make serve` runs it, with LOCKSTEP_* settings), vLLM's own OpenAI server and llama.cpp's native llama-server (built
+by `make llama-server`), the last two only when installed. Each runs in its own process group with its log under the output folder, and is
 stopped with SIGTERM (then SIGKILL) on the whole group.
 """
 import importlib.util
@@ -23,14 +23,18 @@ STOP_WAIT_S = 40
 # Below compare's READY_TIMEOUT_S (300 s): a model load that hangs is ended, and said so in the server's log, by
 # lockstep's own executor before the benchmark gives up on the server.
 LOCKSTEP_LOAD_TIMEOUT_S = 240
+LLAMA_DIR = REPO / ".cache" / "llama.cpp"  # where `make llama-server` builds
+LLAMA_SERVER = LLAMA_DIR / "llama_cpp_python-0.3.36" / "build" / "bin" / "llama-server"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     name: str  # the label in tables and plots
-    kind: str  # "lockstep", "vllm-server" or "llama-cpp"
+    kind: str  # "lockstep", "vllm-server" or "llama-server"
     settings: tuple[tuple[str, str], ...] = ()  # environment for lockstep (LOCKSTEP_*)
     is_peer: bool = False  # a server a user would pick instead of lockstep
+    same_weights_peer: str = ""  # lockstep: the peer on the same weights its ratios are against (else the best)
+    gguf: str = "q4_1"  # llama-server: which GGUF (`gguf_path`)
     in_length_sweep: bool = False  # also measured at outputs of 64 / 256 / 1,024 tokens
     requests_per_client: int | None = None  # None: the plan's; 1 bounds a server that serves one at a time
     description: str = ""  # how it runs, for the report
@@ -39,14 +43,12 @@ class ServerConfig:
     def api(self) -> str:
         return "lockstep-ws" if self.kind == "lockstep" else "openai"
 
-    @property
-    def eos_method(self) -> str:
-        """llama.cpp's server has no ignore_eos: its end-of-generation tokens are banned with logit_bias."""
-        return "logit-bias" if self.kind == "llama-cpp" else "field"
-
     def missing(self) -> str | None:
-        """Why this server cannot run here (a package not installed), or None."""
-        needed = {"vllm-server": ("vllm",), "llama-cpp": ("llama_cpp", "sse_starlette", "uvicorn")}
+        """Why this server cannot run here (a package or binary not installed), or None."""
+        if self.kind == "llama-server":
+            absent = [str(path) for path in (LLAMA_SERVER, gguf_path(self.gguf)) if not path.exists()]
+            return f"not built: {', '.join(absent)} (`make llama-server`)" if absent else None
+        needed = {"vllm-server": ("vllm",)}
         absent = [name for name in needed.get(self.kind, ()) if importlib.util.find_spec(name) is None]
         if self.kind == "lockstep" and dict(self.settings).get("LOCKSTEP_BACKEND") == "vllm":
             absent += [] if importlib.util.find_spec("vllm") else ["vllm"]
@@ -98,8 +100,8 @@ def start_server(config: ServerConfig, model_dir: str, log_dir: Path):
                                          **dict(config.settings)}, port)
     if config.kind == "vllm-server":
         return ProcessServer(vllm_command(model_dir, port), port, log_path, vllm_environment(model_dir))
-    if config.kind == "llama-cpp":
-        return ProcessServer(llama_cpp_command(port), port, log_path, {})
+    if config.kind == "llama-server":
+        return ProcessServer(llama_server_command(config.gguf, port), port, log_path, {})
     raise ValueError(f"unknown server kind {config.kind!r}")
 
 
@@ -117,11 +119,14 @@ def vllm_environment(model_dir: str) -> dict[str, str]:
             "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor")}
 
 
-def llama_cpp_command(port: int) -> list[str]:
-    """The embedded Q4_1 GGUF on 2 threads. `--interrupt_requests False`: by default a new request cuts off the
-    stream in progress (concurrent clients got 17 of 128 tokens); without it requests queue and each completes."""
+def gguf_path(kind: str) -> Path:
+    """The embedded Q4_1 GGUF, or the bfloat16 one `make llama-server` converts from the prepared model."""
     from engine.model_store import find_gguf
 
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(find_gguf()), "--model_alias", SERVED_NAME,
-            "--n_threads", "2", "--n_ctx", "8192", "--interrupt_requests", "False", "--host", "127.0.0.1",
-            "--port", str(port)]
+    return find_gguf() if kind == "q4_1" else LLAMA_DIR / "SmolLM2-135M-Instruct-bf16.gguf"
+
+
+def llama_server_command(gguf: str, port: int) -> list[str]:
+    """16 slots with continuous batching, every core, a context of 2,048 per slot."""
+    return [str(LLAMA_SERVER), "-m", str(gguf_path(gguf)), "-t", str(os.cpu_count() or 1), "-np", "16",
+            "-c", "32768", "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]

@@ -135,7 +135,7 @@ def measure_config(config, url: str, tokenizer, plan: ProbePlan) -> ProbeResult:
     from .serve import make_target
 
     result = measure(lambda: make_target(config.api, url, SERVED_NAME), tokenizer,
-                     Sampling.greedy(tokenizer, config.eos_method), plan)
+                     Sampling.greedy(tokenizer, "field"), plan)
     logger.info("%s", result.line(config.name))
     return result
 

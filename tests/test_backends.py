@@ -75,7 +75,10 @@ def test_multibyte_stream_has_no_replacement_chars(client):
     client.generate("k", messages=[{"role": "user", "content": "Reply with many emoji only: 🎉🎊🍕🚀"}],
                     max_tokens=40)
     result = client.collect(["k"])["k"]
-    assert "\ufffd" not in result["text"] and any(ord(ch) > 0x2000 for ch in result["text"])
+    text = result["text"]
+    if result["final"].get("finish_reason") == "length":  # cut by max_tokens inside a character: its bytes so far
+        text = text.removesuffix("\ufffd")
+    assert "\ufffd" not in text and any(ord(ch) > 0x2000 for ch in text)
 
 
 def test_vllm_missing_stops_the_start_with_one_clear_line(monkeypatch, caplog):

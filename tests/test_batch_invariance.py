@@ -1,5 +1,7 @@
-"""Greedy is greedy: in bfloat16, with the real model, a request's tokens are the ones it gets alone, whatever
-else the batch holds (requests joining and leaving, a long prompt prefilling beside the streams)."""
+"""Greedy is greedy: with the real model, in bfloat16 and on its 4-bit blocks, a request's tokens are the ones it
+gets alone, whatever else the batch holds (requests joining and leaving, a long prompt prefilling beside the
+streams)."""
+import pytest
 import torch
 
 from engine import SamplingParams
@@ -13,8 +15,12 @@ TOPICS = ["the ocean", "a small robot", "tax law", "bread", "the moon landing", 
 PROMPTS = [f"Write a short paragraph about {topic}." for topic in TOPICS]
 
 
-def test_concurrent_greedy_bf16_answers_equal_each_alone(make_engine, smol_model_dir):
-    engine = make_engine(smol_model_dir, dtype="bfloat16", max_batch_size=16, prefill_chunk_tokens=64)
+COMPUTE = {"bfloat16": {"dtype": "bfloat16"}, "4-bit": {"weights": "q4"}}
+
+
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_concurrent_greedy_answers_equal_each_alone(make_engine, smol_model_dir, compute):
+    engine = make_engine(smol_model_dir, max_batch_size=16, prefill_chunk_tokens=64, **COMPUTE[compute])
     long_prompt = "Summarise this: " + " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]};" for i in range(120))
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = {p: engine.generate([p], greedy)[0].output_token_ids for p in [*PROMPTS, long_prompt]}
@@ -29,8 +35,10 @@ def test_concurrent_greedy_bf16_answers_equal_each_alone(make_engine, smol_model
     assert differing == []
 
 
-def test_a_lone_row_decodes_the_same_logits_as_inside_a_batch(smol_model_dir, monkeypatch):
-    """oneDNN's bfloat16 matmul rounds a one-row batch differently: a lone row is padded to two."""
+@pytest.mark.parametrize("compute", COMPUTE)
+def test_a_lone_row_decodes_the_same_logits_as_inside_a_batch(smol_model_dir, monkeypatch, compute):
+    """oneDNN's bfloat16 matmul rounds a one-row batch differently: a lone row is padded to two. The 4-bit
+    kernels compute every row alike, alone too."""
     logits_seen: dict[int, list[torch.Tensor]] = {}
     real = TokenSampler.__call__
 
@@ -44,7 +52,7 @@ def test_a_lone_row_decodes_the_same_logits_as_inside_a_batch(smol_model_dir, mo
                            WorkerSampling(seed=i, max_tokens=99, logprobs=0)) for i in range(4)]
 
     def decode(batch: list[NewRequest], steps: int) -> None:
-        backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),
+        backend = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", threads=1, **COMPUTE[compute]),
                             smol_model_dir)
         for step in range(steps):
             backend.step(tuple(batch) if step == 0 else (), ())

@@ -5,6 +5,7 @@ gunicorn, and the command line."""
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import compare, probe, serve
-from bench.compare_report import SECTION_BEGIN, SECTION_END, ConfigResult, Plan, Report, probe_table, ratio_table
+from bench.compare_report import ConfigResult, Plan, Report, probe_table, ratio_table, section_markers
 from bench.peers import SERVED_NAME, ServerConfig, start_server
 from bench.serve_client import (LockstepRest, LockstepWebSocket, OpenAiCompletions, RequestResult, Sampling,
                                 _read_event_stream, _Stopwatch)
@@ -21,6 +22,7 @@ from bench.serve_metrics import calculate, parse_slos
 from bench.server import free_port
 from bench.sse import iter_event_data, split_lines
 from engine import SamplingParams
+from engine.hardware import detect_host
 
 from .client import wait_until
 
@@ -147,9 +149,9 @@ def test_an_error_chunk_fails_the_request():
     assert not result.success and "boom" in result.error and result.generated_text == "Hi"
 
 
-def test_llama_cpp_gets_its_special_tokens_banned_instead_of_ignore_eos(tokenizer):
-    config = compare.CONFIGS["llama-cpp"]
-    sampling = Sampling(eos_method=config.eos_method, banned_token_ids=tuple(tokenizer.all_special_ids))
+def test_a_server_without_ignore_eos_gets_its_special_tokens_banned(tokenizer):
+    """`python -m bench serve --eos-method logit-bias`, for servers such as llama-cpp-python's."""
+    sampling = Sampling(eos_method="logit-bias", banned_token_ids=tuple(tokenizer.all_special_ids))
     fields = sampling.body_fields()
     assert "ignore_eos" not in fields
     assert fields["logit_bias"][str(tokenizer.eos_token_id)] == -100
@@ -318,7 +320,7 @@ def _probe_result(ttfts_ms: list[float], num_streams_decoding: int = 8) -> probe
 def test_the_probe_table_compares_with_the_best_peer():
     results = [ConfigResult(ServerConfig("lockstep", "lockstep"), probe=_probe_result([300, 100, 200])),
                ConfigResult(ServerConfig("A", "vllm-server", is_peer=True), probe=_probe_result([40, 50, 60])),
-               ConfigResult(ServerConfig("B", "llama-cpp", is_peer=True), probe=_probe_result([70000], 1)),
+               ConfigResult(ServerConfig("B", "llama-server", is_peer=True), probe=_probe_result([70000], 1)),
                ConfigResult(ServerConfig("C", "lockstep"), skipped="not installed: vllm")]
     header, _, mine, peer, llama = probe_table(results)
     assert "beside 8 streams" in header and "vs A" in header
@@ -360,7 +362,10 @@ def test_the_openai_client_streams_from_vllm_server(vllm_server, tokenizer):
 
 def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(tmp_path, smol_model_dir):
     docs = tmp_path / "benchmarks.md"
-    docs.write_text(f"# Benchmarks\n\nBefore.\n\n{SECTION_BEGIN}\nan older run\n{SECTION_END}\n\nAfter.\n")
+    begin, end = section_markers(detect_host().isa)  # this host class's section; another class's stays as it is
+    other_begin, other_end = section_markers("another CPU")
+    docs.write_text(f"# Benchmarks\n\nBefore.\n\n{begin}\nan older run\n{end}\n\n{other_begin}\nkept\n{other_end}\n"
+                    "\nAfter.\n")
     compare.main(["--configs", "hf", "--concurrency", "1,2", "--output-len", "4", "--lengths", "6",
                   "--probe-streams", "2", "--probe-count", "2", "--out-dir", str(tmp_path / "out"), "--docs", str(docs),
                   "--no-progress"])
@@ -374,9 +379,11 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     assert alone["metrics"]["completed"] == 1 and alone["requests"][0]["server_output_tokens"] == 6
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n\nBefore.\n\n") and text.endswith("\n\nAfter.\n")
-    assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1 and "an older run" not in text
+    assert text.count(begin) == 1 and text.count(end) == 1 and "an older run" not in text
+    assert f"{other_begin}\nkept\n{other_end}" in text
     assert "| lockstep hf (defaults) | 2 |" in text and "![" in text and report["elapsed_s"] > 0
-    assert (tmp_path / "bench-serving.png").read_bytes().startswith(b"\x89PNG")
+    plot = "bench-serving-" + "-".join(filter(None, re.split(r"[^a-z0-9]+", detect_host().isa.lower()))) + ".png"
+    assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
     assert hf["probe"]["summary"]["sent"] == 2 and hf["probe"]["plan"]["num_streams"] == 2
     assert "TTFT of a 30-token prompt beside 2 streams" in text and "| lockstep hf (defaults) | 2 / 2 |" in text
     # the same report again from compare.json, without running anything
@@ -392,7 +399,8 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
 
 
 def _section(text: str) -> str:
-    return text[text.index(SECTION_BEGIN):text.index(SECTION_END)]
+    begin, end = section_markers(detect_host().isa)
+    return text[text.index(begin):text.index(end)]
 
 
 def _metrics(output_throughput: float, ttft_s: float):
@@ -405,10 +413,18 @@ def test_ratios_are_against_the_best_peer_of_the_same_run():
     results = [ConfigResult(ServerConfig("lockstep", "lockstep"), sweep={1: _metrics(20, 0.1), 8: _metrics(90, 0.3)}),
                ConfigResult(ServerConfig("A", "vllm-server", is_peer=True),
                             sweep={1: _metrics(30, 0.05), 8: _metrics(180, 0.2)}),
-               ConfigResult(ServerConfig("B", "llama-cpp", is_peer=True),
+               ConfigResult(ServerConfig("B", "llama-server", is_peer=True),
                             sweep={1: _metrics(40, 0.02), 8: _metrics(45, 2.0)})]
     rows = ratio_table(results, plan)[2:]
     assert rows == ["| lockstep | 1 | B | **0.50x** | 5.00x |", "| lockstep | 8 | A | **0.50x** | 1.50x |"]
+
+
+def test_ratios_are_against_the_peer_on_the_same_weights_where_it_ran():
+    plan = Plan((1,), 128, (), 60.0, 120.0)
+    results = [ConfigResult(ServerConfig("exact", "lockstep", same_weights_peer="B bf16"), sweep={1: _metrics(20, 0.1)}),
+               ConfigResult(ServerConfig("A", "llama-server", is_peer=True), sweep={1: _metrics(80, 0.02)}),
+               ConfigResult(ServerConfig("B bf16", "llama-server", is_peer=True), sweep={1: _metrics(40, 0.05)})]
+    assert ratio_table(results, plan)[2:] == ["| exact | 1 | B bf16 | **0.50x** | 2.00x |"]
 
 
 def test_a_run_is_called_shared_only_if_the_machine_was_busy_before_it_started():

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import hardware
+from engine.backends import native
 from engine.backends.fast_decode import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
@@ -44,14 +45,20 @@ def gguf_model(smol_model_dir):
 
 @torch.inference_mode()
 def test_this_host_computes_on_what_it_has(smol_model_dir):
+    """The defaults: lockstep's bfloat16 kernels where the CPU has AVX512-BF16, else the 4-bit blocks."""
     host = hardware.detect_host()
-    backend = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
+    defaults = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
+    has_bf16_kernels = native.CPU_FLAGS <= host.flags
+    assert defaults.info.weights == ("" if has_bf16_kernels else "q4_1")
+    assert defaults.info.dtype == ("bfloat16" if has_bf16_kernels else "float32")
+    defaults.close()
+    backend = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="q4"), smol_model_dir)
     info = backend.info
     assert (info.weights, info.dtype) == ("q4_1", "float32")
     has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
     assert ("AVX2+FMA" if has_avx2 else "portable C") in info.compute
-    assert host.isa in info.compute_reason and "4-bit" in info.compute_reason
+    assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     backend.close()
     exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
     assert exact.info.weights == ""

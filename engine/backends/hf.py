@@ -52,7 +52,7 @@ from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
-from .native import Bf16Kernels, load_bf16_kernels
+from .native import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
 from .q4 import Q4Kernels, Q4Weights, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
@@ -103,10 +103,11 @@ class HFBackend(Backend):
         self.device = torch.device(resolve_device(config.device))
         host = detect_host()
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
-        use_q4 = config.weights == "q4" or (config.weights == "auto" and config.dtype in ("auto", "float32")
-                                            and gguf is not None)
+        use_q4, why_not = _use_q4(config, gguf, host)
         dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if use_q4 else \
             choose_dtype(config.dtype, self.device.type, host)
+        if why_not:
+            self.compute_reason += f" ({why_not})"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
         q4 = self._q4(config, gguf, host) if use_q4 else None
@@ -149,7 +150,8 @@ class HFBackend(Backend):
             return None
         weights = Q4Weights.from_gguf(gguf, self.model.config)  # ValueError: not a layout the kernels read
         weights.give_model_the_same_weights(self.model)
-        kernels = load_q4_kernels(config.cache_dir, helpers=max(0, host.num_cores - 1))
+        # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
+        kernels = load_q4_kernels(config.cache_dir, helpers=max(0, host.num_cores - 1) if config.kernel_helper_rows else 0)
         if kernels is None:
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None
@@ -393,6 +395,21 @@ class HFBackend(Backend):
         # prompts of 2k-7.5k tokens; 694 MB, flat, with them).
         if not self.rows or freed_positions >= TRIM_AFTER_COLUMNS:
             release_freed_memory()
+
+
+def _use_q4(config: EngineConfig, gguf: str | None, host) -> tuple[bool, str]:
+    """Whether to compute on the model's 4-bit blocks, and why not where auto says no. `auto`: where the model
+    ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16: measured
+    there at 1.2x llama.cpp's 4-bit server, docs/benchmarks.md)."""
+    if config.weights != "auto":
+        return config.weights == "q4", ""
+    if gguf is None:
+        return False, "no 4-bit blocks for this model"
+    if config.dtype != "auto":
+        return False, "weights=auto keeps a configured dtype exact"
+    if config.bf16_kernel and CPU_FLAGS <= host.flags:
+        return False, "this CPU runs lockstep's bfloat16 kernels"
+    return True, ""
 
 
 def _greedy_tokens(rows: list[Row], logits: torch.Tensor) -> torch.Tensor | None:

@@ -270,6 +270,7 @@ static void linear_columns(const struct quantized_x *x, const uint8_t *weight, i
 #define MAX_HELPERS 63
 #define STALL_S 0.002
 #define STEPS_ALONE 8
+#define SHARED_ATTENTION_MACS (1 << 17)
 
 typedef void (*unit_fn)(const void *job, int64_t unit);
 
@@ -665,8 +666,11 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     float *qkv = normed + rows * width, *attended = qkv + rows * qkv_width;
     float *projected = attended + rows * attended_width, *gate_up = projected + rows * width;
     float *activated = gate_up + rows * 2 * intermediate;
-    for (int64_t r = 0; r < rows; r++) lengths[r] = positions[r] + 1;
+    int64_t attended_positions = 0;
+    for (int64_t r = 0; r < rows; r++) attended_positions += lengths[r] = positions[r] + 1;
     int shared = begin_shared(helpers);
+    /* attention over few positions takes less time than handing it out (a wait for the helpers' last unit) */
+    int share_attention = shared && attended_positions * heads * head_dim >= SHARED_ATTENTION_MACS;
     for (int64_t layer = 0; layer < layers; layer++) {
         const void *const *w = weights + 6 * layer;
         rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
@@ -682,7 +686,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         }
         struct attention_job attention = {qkv, keys[layer], values[layer], attended, slots, lengths, kv_heads, group,
                                           capacity, head_dim, qkv_width, scaling, scratch};
-        run_units(shared, attention_unit, &attention, rows * kv_heads);
+        run_units(share_attention, attention_unit, &attention, rows * kv_heads);
         matmul(shared, attended, quantized, w[2], FORMAT_Q4_1, projected, rows, width, attended_width);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
