@@ -33,6 +33,9 @@ CONFIGS = {
     "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True, same_weights_peer="llama-server",
                        description="gunicorn as `make serve` starts it, no settings (here: the 4-bit GGUF blocks on "
                                    "lockstep's kernels)"),
+    "hf-1thread": ServerConfig("lockstep hf, one thread", "lockstep", (("LOCKSTEP_KERNEL_HELPER_ROWS", "0"),),
+                               same_weights_peer="llama-server",
+                               description="`LOCKSTEP_KERNEL_HELPER_ROWS=0`: the kernels without helper threads"),
     "hf-exact": ServerConfig("lockstep hf, exact weights", "lockstep", (("LOCKSTEP_WEIGHTS", "exact"),),
                              same_weights_peer="llama-server bf16",
                              description="`LOCKSTEP_WEIGHTS=exact`: the prepared bfloat16 weights, in float32 where "
