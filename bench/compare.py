@@ -1,6 +1,7 @@
 """Side by side: start each server configuration in turn, run the same sweep, stop it, compare.
 
-    python -m bench compare [--configs hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16] [--concurrency 1,8,16]
+    python -m bench compare [--configs hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16]
+        [--concurrency 1,8,16]
         [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--deadline 120] [--out-dir .cache/bench]
         [--probe/--no-probe] [--probe-streams 8] [--probe-count 15] [--docs docs/benchmarks.md]
 

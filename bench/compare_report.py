@@ -87,7 +87,8 @@ def describe_machine(model_dir: str) -> dict:
 
     host = detect_host()
     relevant = set().union(*(needed for _, needed in ISA_FLAGS), {"avx512bw", "avx512vl", "amx_tile", "f16c"})
-    return {"cpu": _cpu_model(), "isa": host.isa, "cpu_flags": sorted(relevant & host.flags), "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
+    return {"cpu": _cpu_model(), "isa": host.isa, "cpu_flags": sorted(relevant & host.flags),
+            "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
             "load_average_at_start": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "packages": _package_versions(),
             "copy_bandwidth_gb_s": round(max(copy_bandwidth_gb_s(1), copy_bandwidth_gb_s()), 1),

@@ -1,7 +1,7 @@
 """The servers `python -m bench compare` starts, one at a time, each on a free loopback port: lockstep (gunicorn as
 `make serve` runs it, with LOCKSTEP_* settings), vLLM's own OpenAI server and llama.cpp's native llama-server (built
-by `make llama-server`), the last two only when installed. Each runs in its own process group with its log under the output folder, and is
-stopped with SIGTERM (then SIGKILL) on the whole group.
+by `make llama-server`), the last two only when installed. Each runs in its own process group with its log under the
+output folder, and is stopped with SIGTERM (then SIGKILL) on the whole group.
 """
 import importlib.util
 import logging

@@ -145,8 +145,8 @@ class FastDecoder:
         self.attention_on_kernels, self.rows_independent = False, True
         self.q4 = kernels
         layers = decoder.layers
-        epsilons = [eps for layer in layers
-                    for eps in (layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)]
+        epsilons = [norm.variance_epsilon for layer in layers
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.q4_stack = Q4Stack(weights, [layer.input_layernorm.weight for layer in layers],
                                 [layer.post_attention_layernorm.weight for layer in layers],
                                 epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config)
@@ -245,7 +245,7 @@ class FastDecoder:
         """The rest of the layer after attention: output projection, residual, norm, SwiGLU MLP, residual."""
         hidden = hidden + layer.out(attended)
         gate_up = layer.gate_up(layer.post_norm(hidden))
-        if self.kernels is not None and self.rows_independent:  # the fused decode's SwiGLU, so prompt chunks compute as decode steps
+        if self.kernels is not None and self.rows_independent:  # the fused decode's SwiGLU: chunks compute as steps
             activated = self.kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -123,6 +123,8 @@ class HFBackend(Backend):
         kernels = self._bf16_kernels(config) if use_fast and q4 is None else None
         self.fast_decoder = FastDecoder(self.model, kernels, config.kernel_helper_rows,
                                         q4=q4 if use_fast else None) if use_fast else None
+        if q4 is not None and not use_fast:
+            self.compute_reason += "; without the fast forward, the model's own on the same weights in float32"
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -151,7 +153,8 @@ class HFBackend(Backend):
         weights = Q4Weights.from_gguf(gguf, self.model.config)  # ValueError: not a layout the kernels read
         weights.give_model_the_same_weights(self.model)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
-        kernels = load_q4_kernels(config.cache_dir, helpers=max(0, host.num_cores - 1) if config.kernel_helper_rows else 0)
+        helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
+        kernels = load_q4_kernels(config.cache_dir, helpers)
         if kernels is None:
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None

@@ -7,19 +7,16 @@ and probes against float64 when they load. Otherwise `load_bf16_kernels` says wh
 the fast forward keeps oneDNN's matmuls. Nothing here runs at import time.
 """
 import ctypes
-import hashlib
 import logging
 import mmap
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..hardware import cpu_flags
+from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +24,6 @@ SOURCE = Path(__file__).with_name("bf16_kernels.c")
 COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
 LINK_FLAGS = ("-lm", "-pthread")
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})  # what those flags let it execute
-COMPILE_TIMEOUT_S = 120
 PROBE_ROWS = 33
 HUGE_PAGE_BYTES = 2 * 2**20
 ARENA_CHUNK_BYTES = 64 * 2**20  # packed weights are carved from regions of this size (the lm_head gets its own)
@@ -331,12 +327,13 @@ def load_bf16_kernels(cache_dir: str) -> Bf16Kernels | None:
     if missing:
         logger.info("bf16 kernels: this CPU lacks %s; oneDNN's matmuls", ", ".join(sorted(missing)))
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.info("bf16 kernels: no C compiler (cc, gcc or $CC); oneDNN's matmuls")
         return None
     try:
-        library = ctypes.CDLL(str(_built_library(Path(cache_dir) / "kernels", compiler)))
+        library = ctypes.CDLL(str(built_library(SOURCE, Path(cache_dir) / "kernels", compiler, COMPILE_FLAGS,
+                                                LINK_FLAGS)))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("bf16 kernels: could not build or load them (%s); oneDNN's matmuls", exc)
         return None
@@ -345,26 +342,6 @@ def load_bf16_kernels(cache_dir: str) -> Bf16Kernels | None:
         logger.warning("bf16 kernels: their probe computed wrong numbers; oneDNN's matmuls")
         return None
     return kernels
-
-
-def _built_library(folder: Path, compiler: str) -> Path:
-    """One file per source and flags; built into a temporary name and renamed, so processes that build at
-    once (gunicorn workers, tests) never load a half-written file."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode()).hexdigest()[:16]
-    target = folder / f"bf16_kernels-{digest}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as building:
-        built = Path(building) / target.name
-        command = [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(built), *LINK_FLAGS]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    logger.info("bf16 kernels built: %s", target)
-    return target
 
 
 def _cpu_flags() -> set[str]:

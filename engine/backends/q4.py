@@ -8,13 +8,9 @@ weights dequantized to float32 (what gguf-py computes), so the model's own forwa
 the same numbers. Nothing here runs at import time.
 """
 import ctypes
-import hashlib
 import logging
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +19,7 @@ import torch
 from torch import nn
 
 from ..hardware import cpu_flags
+from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +28,6 @@ SOURCE = Path(__file__).with_name("q4_kernels.c")
 # host with them builds and tests the code a lesser host runs (no AVX2: the portable C).
 MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f"}
 LINK_FLAGS = ("-lm", "-pthread")
-COMPILE_TIMEOUT_S = 120
 BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0 = 0, 1
 BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34}
@@ -131,7 +127,8 @@ class Q4Kernels:
             if not all(torch.equal(self.linear(x[row:row + 1], weight), together[row:row + 1])
                        for row in range(PROBE_ROWS)):
                 return False
-            if not torch.equal(self.dequantize_rows(weight, torch.tensor([3, 0, 36])), weight.dequantized()[[3, 0, 36]]):
+            rows = torch.tensor([3, 0, 36])
+            if not torch.equal(self.dequantize_rows(weight, rows), weight.dequantized()[rows]):
                 return False
         return True
 
@@ -338,12 +335,14 @@ def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
 def load_q4_kernels(cache_dir: str, helpers: int) -> Q4Kernels | None:
     """The kernels, built into `cache_dir`/kernels if they are not there yet; None (and why, in the log) where
     they cannot run here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.info("4-bit kernels: no C compiler (cc, gcc or $CC)")
         return None
     try:
-        library = ctypes.CDLL(str(_built_library(Path(cache_dir) / "kernels", compiler)))
+        # -march=native code for one CPU may not run on another that shares the cache folder: the flags are the key
+        library = ctypes.CDLL(str(built_library(SOURCE, Path(cache_dir) / "kernels", compiler, compile_flags(),
+                                                LINK_FLAGS, key=" ".join(sorted(cpu_flags())))))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("4-bit kernels: could not build or load them (%s)", exc)
         return None
@@ -361,24 +360,3 @@ def compile_flags() -> tuple[str, ...]:
         return "-O3", "-mcpu=native", "-ffp-contract=off", "-shared", "-fPIC"
     hidden = tuple(flag for name, flag in MASKABLE_X86.items() if name not in cpu_flags())
     return "-O3", "-march=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"
-
-
-def _built_library(folder: Path, compiler: str) -> Path:
-    """One file per source, flags and CPU (-march=native code for one CPU may not run on another that shares the
-    cache folder); built into a temporary name and renamed, so processes that build at once never load a
-    half-written file."""
-    flags = compile_flags()
-    key = SOURCE.read_bytes() + " ".join((compiler, *flags, *LINK_FLAGS, *sorted(cpu_flags()))).encode()
-    target = folder / f"q4_kernels-{hashlib.sha256(key).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as building:
-        built = Path(building) / target.name
-        command = [compiler, *flags, str(SOURCE), "-o", str(built), *LINK_FLAGS]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(built, target)
-    logger.info("4-bit kernels built: %s", target)
-    return target
