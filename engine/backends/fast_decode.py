@@ -12,7 +12,10 @@ it than transformers' forward, on one of two kinds of kernels:
   weights, 212 MB, one thread: 28 ms at 1 row and 51 ms at 16 rows), so each weight is reordered once into its
   blocked layout (18 and 26 ms), used only where it gives the plain matmul's numbers bit for bit.
 
-Either way, this forward:
+On the embedded model's own 4-bit blocks (q4.py, `FastDecoder(model, q4=...)`), decode steps and prompt chunks are
+each one call of lockstep's 4-bit kernels, which compute a chunk as decode steps (the same bits) and every row alike.
+
+Otherwise, this forward:
 - fuses the q/k/v projections into one matmul and gate/up into another (210 matmul calls a step become 120).
   The fused weights are the storage: the model's own q/k/v and gate/up weights become views of them, so its
   forward (kept for other models and the fallbacks) reads the same numbers. Memory: the worker's resident set

@@ -14,9 +14,10 @@ prompt attends to everything before it and costs many times one early on (on CPU
 1 + context/500 times), so chunks shrink as the context grows and a 7,500-token prompt
 costs every running stream a bounded gap per step, not one long stall.
 
-Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU run through
-fast_decode.py's forward (`fast_decode`, on by default); other models run the model's own
-forward. With one torch thread on a CPU with AVX512-BF16, its matmuls, decode attention and
+Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU, or on the embedded
+model's own 4-bit blocks (q4.py, where `weights` resolves to q4: engine/hardware.py and
+`_use_q4`), run through fast_decode.py's forward (`fast_decode`, on by default); other models
+run the model's own forward. With one torch thread on a CPU with AVX512-BF16, its matmuls, decode attention and
 norms run on lockstep's C kernels (native.py, `bf16_kernel`): every row computed the same way
 whatever the batch, a step in about half the time of oneDNN's (docs/benchmarks.md); elsewhere
 oneDNN computes the matmuls, and the fast forward gives the model's own numbers bit for bit.

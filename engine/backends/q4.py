@@ -5,7 +5,7 @@ compiler (for this CPU: -march=native) into the cache folder and loaded with cty
 `load_q4_kernels` returns None (and says why in the log) where they cannot run: no compiler, or a probe against
 float64 that fails. `Q4Weights.from_gguf` reads the blocks, in transformers' row order, and hands the model the same
 weights dequantized to float32 (what gguf-py computes), so the model's own forward and the kernels compute with
-the same numbers. Nothing here runs at import time.
+the same weights (the kernels round activations to 8 bits per 32, as llama.cpp). Nothing here runs at import time.
 """
 import ctypes
 import logging
