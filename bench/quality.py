@@ -43,17 +43,17 @@ def main(argv=None) -> None:
     weights.give_model_the_same_weights(reference)
     use_slot_attention(reference)
     decoder = FastDecoder(reference, q4=(load_q4_kernels(EngineConfig().cache_dir, helpers=1), weights))
-    prepared = {dtype: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-                for dtype in (torch.bfloat16, torch.float32)}  # the bfloat16 copy: where it is native (below)
+    exact = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def with_q4(ids: list[int]) -> torch.Tensor:
         return decoder.prefill(torch.tensor(ids), 0, decoder.new_prompt_cache(len(ids)), all_positions=True)
 
     ways = {"float32 dequantized GGUF (reference)": lambda ids: forward(reference, ids),
             "4-bit blocks on lockstep's kernels (weights=q4)": with_q4,
-            "prepared bfloat16 weights in float32 (weights=exact)": lambda ids: forward(prepared[torch.float32], ids)}
+            "prepared bfloat16 weights in float32 (weights=exact)": lambda ids: forward(exact, ids)}
     if detect_host().has_native_bf16:  # elsewhere bfloat16 is emulated: slow, and never a default
-        ways["prepared bfloat16 weights in bfloat16"] = lambda ids: forward(prepared[torch.bfloat16], ids)
+        bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+        ways["prepared bfloat16 weights in bfloat16"] = lambda ids: forward(bf16, ids)
     text = tokenizer(TEXT)["input_ids"]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False))

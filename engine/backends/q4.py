@@ -219,18 +219,18 @@ class Q4Weights:
         tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
-        def weight(name: str, permute_heads: int = 0, expected: str = "Q4_1") -> QuantizedWeight:
+        def weight(name: str, permute_heads: int = 0, allowed: tuple[str, ...] = ("Q4_1",)) -> QuantizedWeight:
             tensor = tensors.get(name)
-            if tensor is None or tensor.tensor_type.name != expected:
+            if tensor is None or tensor.tensor_type.name not in allowed:
                 raise ValueError(f"{name}: {'missing' if tensor is None else tensor.tensor_type.name}, "
-                                 f"not {expected}")
+                                 f"not {' or '.join(allowed)}")
             in_features, out_features = (int(d) for d in tensor.shape)
             blocks = np.asarray(tensor.data).reshape(out_features, -1)
             if permute_heads:  # transformers' reverse permutation of q/k rows (convert_hf_to_gguf's inverse)
                 blocks = blocks.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
                     .swapaxes(1, 2).reshape(out_features, -1)
-            return QuantizedWeight(torch.from_numpy(np.array(blocks, order="C")), GGUF_FORMATS[expected],
-                                   out_features, in_features)
+            return QuantizedWeight(torch.from_numpy(np.array(blocks, order="C")),
+                                   GGUF_FORMATS[tensor.tensor_type.name], out_features, in_features)
 
         def norm(name: str) -> torch.Tensor:
             tensor = tensors.get(name)
@@ -250,8 +250,7 @@ class Q4Weights:
             norms[f"model.layers.{i}.input_layernorm.weight"] = norm(block + "attn_norm.weight")
             norms[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        lm_head = weight(head_name, expected=tensors[head_name].tensor_type.name
-                         if head_name in tensors and tensors[head_name].tensor_type.name in GGUF_FORMATS else "Q8_0")
+        lm_head = weight(head_name, allowed=tuple(GGUF_FORMATS))
         return cls(layers, lm_head, norms)
 
     @torch.no_grad()
