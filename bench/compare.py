@@ -39,8 +39,9 @@ CONFIGS = {
                                description="`LOCKSTEP_KERNEL_HELPER_ROWS=0`: the kernels without helper threads"),
     "hf-exact": ServerConfig("lockstep hf, exact weights", "lockstep", (("LOCKSTEP_WEIGHTS", "exact"),),
                              same_weights_peer="llama-server bf16",
-                             description="`LOCKSTEP_WEIGHTS=exact`: the prepared bfloat16 weights, in float32 where "
-                                         "the CPU has no bfloat16 instructions"),
+                             description="`LOCKSTEP_WEIGHTS=exact`: the GGUF's 4-bit blocks on lockstep's kernels "
+                                         "with float32 activations (the weights' own numbers; llama-server bf16 "
+                                         "computes on them rounded to bfloat16)"),
     "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),),
                               description="`LOCKSTEP_POLICY=static`"),
     # One request at a time: 2 requests per client would take minutes at 16 clients, so each client sends one.

@@ -225,11 +225,13 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
              "int4 weight-only (_weight_int4pack_mm_for_cpu, groups of 32)": _int4_path(dense)}
     if with_compile:
         paths["int8 weight-only, torch.compile (inductor)"] = _int8_path(dense, compiled=True)
-    for helpers in (0, (os.cpu_count() or 1) - 1):
-        kernels = load_q4_kernels(cache_dir, helpers)
-        if kernels is not None:
-            paths[f"lockstep 4-bit kernels, {helpers + 1} thread(s)"] = \
-                lambda x, kernels=kernels: [kernels.linear(x[w.in_features], w) for w in quantized]
+    for exact in (False, True):
+        for helpers in (0, (os.cpu_count() or 1) - 1):
+            kernels = load_q4_kernels(cache_dir, helpers, exact)
+            if kernels is not None:
+                activations = "float32" if exact else "8-bit"
+                paths[f"lockstep 4-bit kernels, {activations} activations, {helpers + 1} thread(s)"] = \
+                    lambda x, kernels=kernels: [kernels.linear(x[w.in_features], w) for w in quantized]
     rows = [f"{detect_host().describe()}; flags: {' '.join(sorted(detect_host().flags & PATH_FLAGS))}", "",
             "| one decode step's weight matmuls, ms | 1 row | 8 rows | 16 rows |", "|---|---:|---:|---:|"]
     for name, run in paths.items():

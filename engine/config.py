@@ -24,8 +24,9 @@ class EngineConfig:
     backend: str = "hf"
     dtype: str = "auto"
     # hf on CPU: `q4` computes the embedded model on its own GGUF blocks (Q4_1 layers, Q8_0 lm_head) with
-    # lockstep's 4-bit kernels (engine/backends/q4.py), the same weights as the float32 dequantized GGUF in a
-    # third of the bytes a step reads; `exact` keeps the prepared safetensors in `dtype`.
+    # lockstep's 4-bit kernels (engine/backends/q4.py), activations rounded to 8 bits per 32 as llama.cpp's;
+    # `exact`, the same kernels on float32 activations (the blocks' own numbers), or for a model without blocks
+    # (or a dtype other than float32) the model's own forward in `dtype`; `auto`: q4 where the model has blocks.
     weights: str = "auto"
     device: str = "auto"
     max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)

@@ -15,7 +15,7 @@ TOPICS = ["the ocean", "a small robot", "tax law", "bread", "the moon landing", 
 PROMPTS = [f"Write a short paragraph about {topic}." for topic in TOPICS]
 
 
-COMPUTE = {"bfloat16": {"dtype": "bfloat16"}, "4-bit": {"weights": "q4"}}
+COMPUTE = {"bfloat16": {"dtype": "bfloat16"}, "4-bit": {"weights": "q4"}, "4-bit exact": {"weights": "exact"}}
 
 
 @pytest.mark.parametrize("compute", COMPUTE)

@@ -16,7 +16,7 @@ costs every running stream a bounded gap per step, not one long stall.
 
 Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU, or on the embedded
 model's own 4-bit blocks (q4.py, where `weights` resolves to q4: engine/hardware.py and
-`_use_q4`), run through fast_decode.py's forward (`fast_decode`, on by default); other models
+`_q4_mode`), run through fast_decode.py's forward (`fast_decode`, on by default); other models
 run the model's own forward. With one torch thread on a CPU with AVX512-BF16, its matmuls, decode attention and
 norms run on lockstep's C kernels (native.py, `bf16_kernel`): every row computed the same way
 whatever the batch, a step in about half the time of oneDNN's (docs/benchmarks.md); elsewhere
@@ -104,14 +104,14 @@ class HFBackend(Backend):
         self.device = torch.device(resolve_device(config.device))
         host = detect_host()
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
-        use_q4, why_not = _use_q4(config, gguf, host)
-        dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if use_q4 else \
+        q4_mode, why_not = _q4_mode(config, gguf, host)
+        dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if q4_mode else \
             choose_dtype(config.dtype, self.device.type, host)
         if why_not:
             self.compute_reason += f" ({why_not})"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
-        q4 = self._q4(config, gguf, host) if use_q4 else None
+        q4 = self._q4(config, gguf, host, exact=q4_mode == "exact") if q4_mode else None
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.prefill_step_target_s = config.prefill_step_target_s
@@ -145,22 +145,26 @@ class HFBackend(Backend):
                     self._forward_name(), "on" if self.batch_invariant else "off")
         logger.info("compute chosen for %s", self.info.compute_reason)
 
-    def _q4(self, config: EngineConfig, gguf: str | None, host) -> tuple[Q4Kernels, Q4Weights] | None:
-        """The model's own 4-bit blocks and the kernels that read them; the model gets the same weights
-        dequantized. None (the float32 model, in the log why) where either is missing."""
+    def _q4(self, config: EngineConfig, gguf: str | None, host,
+            exact: bool) -> tuple[Q4Kernels, Q4Weights] | None:
+        """The model's own 4-bit blocks and the kernels that read them (`exact`: on float32 activations); the
+        model gets the same weights dequantized. None (the float32 model, in the log why) where either is
+        missing."""
         if gguf is None:
-            self.compute_reason = "weights=q4, but this model has no 4-bit GGUF; float32"
+            self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
         weights = Q4Weights.from_gguf(gguf, self.model.config)  # ValueError: not a layout the kernels read
         weights.give_model_the_same_weights(self.model)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
-        kernels = load_q4_kernels(config.cache_dir, helpers)
+        kernels = load_q4_kernels(config.cache_dir, helpers, exact)
         if kernels is None:
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None
-        self.compute_reason = f"auto: the model ships 4-bit weights ({host.isa} kernels read them as they are)" \
-            if config.weights == "auto" else "configured: weights=q4"
+        self.compute_reason = {
+            "auto": f"auto: the model ships 4-bit weights ({host.isa} kernels read them as they are)",
+            "q4": "configured: weights=q4",
+            "exact": "configured: weights=exact (the 4-bit blocks' own numbers, float32 activations)"}[config.weights]
         return kernels, weights
 
     def _bf16_kernels(self, config: EngineConfig) -> Bf16Kernels | None:
@@ -401,19 +405,25 @@ class HFBackend(Backend):
             release_freed_memory()
 
 
-def _use_q4(config: EngineConfig, gguf: str | None, host) -> tuple[bool, str]:
-    """Whether to compute on the model's 4-bit blocks, and why not where auto says no. `auto`: where the model
-    ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16: measured
-    there at 1.2x llama.cpp's 4-bit server, docs/benchmarks.md)."""
-    if config.weights != "auto":
-        return config.weights == "q4", ""
+def _q4_mode(config: EngineConfig, gguf: str | None, host) -> tuple[str, str]:
+    """How to compute on the model's 4-bit blocks ("q4": 8-bit activations, "exact": float32 ones, "": not on
+    them), and why not where it is "". `exact` where the model ships them and the dtype is float32 or auto (the
+    blocks' own numbers: the same as the float32 dequantized model but for the order of sums); `auto`: q4 where
+    the model ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16:
+    measured there at 1.2x llama.cpp's 4-bit server, docs/benchmarks.md)."""
+    if config.weights == "q4":
+        return "q4", ""
+    if config.weights == "exact":
+        if gguf is None or config.dtype not in ("auto", "float32"):
+            return "", "the model's own forward" + ("" if gguf is None else f" in the configured {config.dtype}")
+        return "exact", ""
     if gguf is None:
-        return False, "no 4-bit blocks for this model"
+        return "", "no 4-bit blocks for this model"
     if config.dtype != "auto":
-        return False, "weights=auto keeps a configured dtype exact"
+        return "", "weights=auto keeps a configured dtype exact"
     if config.bf16_kernel and CPU_FLAGS <= host.flags:
-        return False, "this CPU runs lockstep's bfloat16 kernels"
-    return True, ""
+        return "", "this CPU runs lockstep's bfloat16 kernels"
+    return "q4", ""
 
 
 def _greedy_tokens(rows: list[Row], logits: torch.Tensor) -> torch.Tensor | None:

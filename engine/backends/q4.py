@@ -36,27 +36,30 @@ PROBE_ROWS = 19
 
 
 class Q4Kernels:
-    """`linear(x, weight)` computes x @ W.T from a `QuantizedWeight`; `decode_step` runs every layer at once."""
+    """`linear(x, weight)` computes x @ W.T from a `QuantizedWeight`; `forward` runs every layer at once. With
+    `exact`, activations stay float32 (the weights' own numbers: only the order of sums differs from the float32
+    dequantized model); without, they are rounded to 8 bits per 32, as llama.cpp computes Q4_1."""
 
-    def __init__(self, library: ctypes.CDLL, helpers: int):
+    def __init__(self, library: ctypes.CDLL, helpers: int, exact: bool = False):
         pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._linear = library.lockstep_q4_linear
-        self._linear.argtypes = [pointer, pointer, integer, pointer, size, size, size, integer]
+        self._linear.argtypes = [pointer, pointer, integer, pointer, size, size, size, integer, integer]
         self._linear.restype = ctypes.c_int
         self._rows = library.lockstep_q4_dequantize_rows
         self._rows.argtypes = [pointer, integer, pointer, size, size, pointer]
         self._rows.restype = None
         self._forward = library.lockstep_q4_forward
         self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, pointer, pointer,
-                                  pointer, pointer, ctypes.c_float, pointer, size, integer]
+                                  pointer, pointer, ctypes.c_float, pointer, size, integer, integer]
         self._forward.restype = ctypes.c_int
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.helpers = helpers  # threads beside the caller that share a call's work
+        self.exact = exact
 
     @property
     def name(self) -> str:
         return f"lockstep's 4-bit kernels ({'AVX2+FMA' if self.uses_avx2 else 'portable C'}, " \
-               f"{self.helpers + 1} threads)"
+               f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads)"
 
     def linear(self, x: torch.Tensor, weight: "QuantizedWeight") -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
@@ -65,7 +68,7 @@ class Q4Kernels:
         rows = x.reshape(-1, weight.in_features).contiguous()
         out = torch.empty((rows.shape[0], weight.out_features), dtype=torch.float32)
         if self._linear(rows.data_ptr(), weight.blocks.data_ptr(), weight.format, out.data_ptr(), rows.shape[0],
-                        weight.out_features, weight.in_features, self.helpers):
+                        weight.out_features, weight.in_features, self.helpers, self.exact):
             raise MemoryError("linear: no memory for its scratch buffer")
         return out.view(*x.shape[:-1], weight.out_features)
 
@@ -109,7 +112,8 @@ class Q4Kernels:
         logits = torch.empty((rows - first_logit_row, stack.vocabulary), dtype=torch.float32)
         if rows and self._forward(dims, stack.num_layers, stack.pointers, stack.eps, key_pointers, value_pointers,
                                   hidden.data_ptr(), rows, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), stack.scaling, logits.data_ptr(), first_logit_row, self.helpers):
+                                  sin.data_ptr(), stack.scaling, logits.data_ptr(), first_logit_row, self.helpers,
+                                  self.exact):
             raise MemoryError("forward: no memory for the step's scratch buffers")
         return logits
 
@@ -121,8 +125,8 @@ class Q4Kernels:
             weight = QuantizedWeight(_random_blocks(generator, fmt, 37, 96), fmt, 37, 96)
             x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, 96), dtype=np.float32))
             together = self.linear(x, weight)
-            exact, bound = error_bound(x, weight.dequantized())
-            if not bool(((together.double() - exact).abs() <= bound).all()):
+            reference, bound = error_bound(x, weight.dequantized(), self.exact)
+            if not bool(((together.double() - reference).abs() <= bound).all()):
                 return False
             if not all(torch.equal(self.linear(x[row:row + 1], weight), together[row:row + 1])
                        for row in range(PROBE_ROWS)):
@@ -133,13 +137,16 @@ class Q4Kernels:
         return True
 
 
-def error_bound(x: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 product x @ dense.T, and how far the kernels may be from it: each block of 32 of a row of x is
-    rounded to 8 bits (at most half a step, amax / 254, per value), then float32 sums."""
+def error_bound(x: torch.Tensor, dense: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product x @ dense.T, and how far the kernels may be from it: float32 sums, and without `exact`
+    each block of 32 of a row of x rounded to 8 bits (at most half a step, amax / 254, per value)."""
     x, dense = x.double(), dense.double()
+    float_sums = (x.abs() @ dense.abs().T) * 2 ** -18 + 1e-30
+    if exact:
+        return x @ dense.T, float_sums
     steps = x.view(x.shape[0], -1, BLOCK).abs().amax(-1) / 254  # [M, blocks]
     block_norms = dense.abs().view(dense.shape[0], -1, BLOCK).sum(-1)  # [N, blocks]
-    return x @ dense.T, steps @ block_norms.T * (1 + 2 ** -10) + (x.abs() @ dense.abs().T) * 2 ** -18 + 1e-30
+    return x @ dense.T, steps @ block_norms.T * (1 + 2 ** -10) + float_sums
 
 
 @dataclass(frozen=True)
@@ -331,9 +338,9 @@ def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
                for tensor in tensors)
 
 
-def load_q4_kernels(cache_dir: str, helpers: int) -> Q4Kernels | None:
-    """The kernels, built into `cache_dir`/kernels if they are not there yet; None (and why, in the log) where
-    they cannot run here."""
+def load_q4_kernels(cache_dir: str, helpers: int, exact: bool = False) -> Q4Kernels | None:
+    """The kernels (`exact`: on float32 activations), built into `cache_dir`/kernels if they are not there yet;
+    None (and why, in the log) where they cannot run here."""
     compiler = find_compiler()
     if compiler is None:
         logger.info("4-bit kernels: no C compiler (cc, gcc or $CC)")
@@ -345,7 +352,7 @@ def load_q4_kernels(cache_dir: str, helpers: int) -> Q4Kernels | None:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("4-bit kernels: could not build or load them (%s)", exc)
         return None
-    kernels = Q4Kernels(library, helpers)
+    kernels = Q4Kernels(library, helpers, exact)
     if not kernels.computes_correctly():
         logger.warning("4-bit kernels: their probe computed wrong numbers")
         return None

@@ -93,6 +93,8 @@ static inline int64_t block_bytes(int format) { return format == FORMAT_Q4_1 ? Q
  * sx = dx * the sum of the block's values, for Q4_1's minimum), and each block's dot product is one of integers:
  * for Q4_1, dw * dx * sum(q_w * q_x) + mw * sx; for Q8_0, dw * dx * sum(q_w * q_x). */
 struct quantized_x {
+    const float *xf; /* [M, K]: x as given, which `exact` matmuls read */
+    int exact;       /* 1: float32 activations (the weights' own numbers); 0: 8-bit activations */
     int8_t *q;    /* [M, K] */
     float *scale; /* [M, K / 32] */
     float *sum;   /* [K / 32, M8]: block-major, zero-padded to M8 = M rounded up to 8 rows */
@@ -102,6 +104,16 @@ struct quantized_x {
 static void quantize_rows(const float *x, struct quantized_x *out) {
     const int64_t blocks = out->k / BLOCK;
     memset(out->sum, 0, blocks * out->m8 * sizeof(float));
+    out->xf = x;
+    if (out->exact) { /* only each block's sum, for Q4_1's minimum: m * sum(x) */
+        for (int64_t r = 0; r < out->m; r++)
+            for (int64_t b = 0; b < blocks; b++) {
+                float total = 0;
+                for (int j = 0; j < BLOCK; j++) total += x[r * out->k + b * BLOCK + j];
+                out->sum[b * out->m8 + r] = total;
+            }
+        return;
+    }
     for (int64_t r = 0; r < out->m; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const float *xs = x + r * out->k + b * BLOCK;
@@ -195,37 +207,144 @@ static inline __attribute__((always_inline)) void tile(const struct quantized_x 
     }
 }
 
-typedef void (*tile_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
-#define TILE(F, C, R)                                                                                               \
-    static void tile_##F##_##C##_##R(const struct quantized_x *x, int64_t row, const uint8_t *w, int64_t rb,       \
-                                     float *o, int64_t n) {                                                         \
-        tile(x, row, w, rb, o, n, F, C, R);                                                                         \
+/* A block's 32 weights q_j (Q4_1's nibbles or Q8_0's int8) as four vectors of floats, in GGUF's order. */
+static inline void load_weights_float(const uint8_t *block, const int FORMAT, __m256 q[4]) {
+    __m128i first, second;
+    if (FORMAT == FORMAT_Q8_0) {
+        first = _mm_loadu_si128((const __m128i *)(block + 2));
+        second = _mm_loadu_si128((const __m128i *)(block + 18));
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+        return;
     }
-#define TILES(F)                                                                                                    \
-    TILE(F, 4, 1) TILE(F, 1, 1) TILE(F, 1, 2) TILE(F, 1, 3) TILE(F, 1, 4) TILE(F, 1, 5) TILE(F, 1, 6)              \
-    TILE(F, 1, 7) TILE(F, 1, 8)                                                                                     \
-    static const tile_fn ONE_COLUMN_##F[ROW_TILE + 1] = {0,              tile_##F##_1_1, tile_##F##_1_2,            \
-                                                         tile_##F##_1_3, tile_##F##_1_4, tile_##F##_1_5,            \
-                                                         tile_##F##_1_6, tile_##F##_1_7, tile_##F##_1_8};
-TILES(0) /* FORMAT_Q4_1 */
-TILES(1) /* FORMAT_Q8_0 */
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), nibble = _mm_set1_epi8(0x0F);
+    first = _mm_and_si128(bytes, nibble);
+    second = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+}
+
+/* `tile` on float32 activations: per block d * sum(q_j * x_j) (four FMAs per row), and Q4_1's m * sum(x) as
+ * there; the weights' own numbers, so only the order of the sums differs from the dequantized float32 matmul. */
+static inline __attribute__((always_inline)) void tile_exact(const struct quantized_x *x, int64_t row,
+                                                             const uint8_t *weight, int64_t row_bytes, float *out,
+                                                             int64_t n, const int FORMAT, const int COLUMNS,
+                                                             const int ROWS) {
+    const int64_t blocks = x->k / BLOCK, bytes = FORMAT == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const float *xf = x->xf + row * x->k, *x_sum = x->sum + row;
+    __m256 acc[4][8], minimum_rows[4];
+    __m128 minimum_one[4];
+    for (int c = 0; c < COLUMNS; c++) {
+        minimum_rows[c] = _mm256_setzero_ps();
+        minimum_one[c] = _mm_setzero_ps();
+        for (int r = 0; r < ROWS; r++) acc[c][r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int c = 0; c < COLUMNS; c++) {
+            const uint8_t *block = weight + c * row_bytes + b * bytes;
+            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256 q[4];
+            load_weights_float(block, FORMAT, q);
+            __m128 scales = block_scales(block);
+            __m256 scale = _mm256_broadcastss_ps(scales);
+            for (int r = 0; r < ROWS; r++) {
+                const float *xs = xf + r * x->k + b * BLOCK;
+                __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
+                dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xs + 8), dot);
+                dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xs + 16), dot);
+                dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xs + 24), dot);
+                acc[c][r] = _mm256_fmadd_ps(scale, dot, acc[c][r]);
+            }
+            if (FORMAT == FORMAT_Q4_1) {
+                __m128 minimum = _mm_movehdup_ps(scales);
+                if (ROWS == 1)
+                    minimum_one[c] = _mm_fmadd_ss(minimum, _mm_load_ss(x_sum + b * x->m8), minimum_one[c]);
+                else
+                    minimum_rows[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(minimum),
+                                                      _mm256_loadu_ps(x_sum + b * x->m8), minimum_rows[c]);
+            }
+        }
+    }
+    for (int c = 0; c < COLUMNS; c++) {
+        float minimum[8];
+        if (ROWS == 1)
+            _mm_store_ss(minimum, minimum_one[c]);
+        else
+            _mm256_storeu_ps(minimum, minimum_rows[c]);
+        for (int r = 0; r < ROWS; r++) out[r * n + c] = sum_lanes(acc[c][r]) + minimum[r];
+    }
+}
+
+typedef void (*tile_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+/* Tile functions by (kind, format, columns, rows): kind `tile` (8-bit activations) or `tile_exact`. */
+#define TILE(KIND, F, C, R)                                                                                         \
+    static void KIND##_##F##_##C##_##R(const struct quantized_x *x, int64_t row, const uint8_t *w, int64_t rb,     \
+                                       float *o, int64_t n) {                                                       \
+        KIND(x, row, w, rb, o, n, F, C, R);                                                                         \
+    }
+#define TILES(KIND, F)                                                                                              \
+    TILE(KIND, F, 4, 1) TILE(KIND, F, 1, 1) TILE(KIND, F, 1, 2) TILE(KIND, F, 1, 3) TILE(KIND, F, 1, 4)             \
+    TILE(KIND, F, 1, 5) TILE(KIND, F, 1, 6) TILE(KIND, F, 1, 7) TILE(KIND, F, 1, 8)                                 \
+    static const tile_fn ONE_COLUMN_##KIND##_##F[ROW_TILE + 1] = {                                                  \
+        0, KIND##_##F##_1_1, KIND##_##F##_1_2, KIND##_##F##_1_3, KIND##_##F##_1_4,                                  \
+        KIND##_##F##_1_5, KIND##_##F##_1_6, KIND##_##F##_1_7, KIND##_##F##_1_8};
+TILES(tile, 0) /* FORMAT_Q4_1 */
+TILES(tile, 1) /* FORMAT_Q8_0 */
+TILES(tile_exact, 0)
+TILES(tile_exact, 1)
 
 /* Columns [first, last) for rows row..row+rows-1 (rows <= ROW_TILE); a lone row takes four columns at a time, so
  * that four chains of FMAs hide each other's latency. */
 static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
                              int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
-    const tile_fn *one_column = format == FORMAT_Q4_1 ? ONE_COLUMN_0 : ONE_COLUMN_1;
-    const tile_fn four_columns = format == FORMAT_Q4_1 ? tile_0_4_1 : tile_1_4_1;
+    const tile_fn *one_column = x->exact ? (format == FORMAT_Q4_1 ? ONE_COLUMN_tile_exact_0 : ONE_COLUMN_tile_exact_1)
+                                         : (format == FORMAT_Q4_1 ? ONE_COLUMN_tile_0 : ONE_COLUMN_tile_1);
+    const tile_fn four_columns = x->exact ? (format == FORMAT_Q4_1 ? tile_exact_0_4_1 : tile_exact_1_4_1)
+                                          : (format == FORMAT_Q4_1 ? tile_0_4_1 : tile_1_4_1);
     int64_t c = first;
     if (rows == 1)
         for (; c + 4 <= last; c += 4) four_columns(x, row, weight + c * row_bytes, row_bytes, out + c, n);
     for (; c < last; c++) one_column[rows](x, row, weight + c * row_bytes, row_bytes, out + c, n);
 }
 #else
+/* Portable, on float32 activations: per block d * sum(q_j * x_j) in eight lanes, as the AVX2 tile sums. */
+static float exact_output(const struct quantized_x *x, int64_t r, const uint8_t *weight_row, int format) {
+    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(format);
+    float lanes[8] = {0}, minimum_term = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = weight_row + b * bytes;
+        const float *xs = x->xf + r * x->k + b * BLOCK;
+        float q[BLOCK], d = half_to_float(read_half(block));
+        if (format == FORMAT_Q4_1) {
+            for (int j = 0; j < 16; j++) q[j] = (float)(block[4 + j] & 0x0F), q[j + 16] = (float)(block[4 + j] >> 4);
+            minimum_term += half_to_float(read_half(block + 2)) * x->sum[b * x->m8 + r];
+        } else {
+            for (int j = 0; j < BLOCK; j++) q[j] = (float)((const int8_t *)(block + 2))[j];
+        }
+        for (int j = 0; j < 8; j++) {
+            float dot = q[j] * xs[j];
+            for (int part = 1; part < 4; part++) dot += q[j + 8 * part] * xs[j + 8 * part];
+            lanes[j] += d * dot;
+        }
+    }
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) +
+           minimum_term;
+}
+
 /* Portable: the same integer dot products, one output at a time (the compiler vectorizes the inner loop). */
 static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
                              int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
     const int64_t blocks = x->k / BLOCK, bytes = block_bytes(format);
+    if (x->exact) {
+        for (int64_t c = first; c < last; c++)
+            for (int64_t r = row; r < row + rows; r++)
+                out[(r - row) * n + c] = exact_output(x, r, weight + c * row_bytes, format);
+        return;
+    }
     for (int64_t c = first; c < last; c++)
         for (int64_t r = row; r < row + rows; r++) {
             float total = 0, minimum_term = 0;
@@ -427,8 +546,9 @@ static struct quantized_x quantized_x_in(void *scratch, int64_t m, int64_t k) {
 }
 
 static void matmul(int shared, const float *x, void *scratch, const uint8_t *weight, int format, float *out,
-                   int64_t m, int64_t n, int64_t k) {
+                   int64_t m, int64_t n, int64_t k, int exact) {
     struct quantized_x quantized = quantized_x_in(scratch, m, k);
+    quantized.exact = exact;
     quantize_rows(x, &quantized);
     /* About UNITS_PER_THREAD units per thread: units of few columns make the threads fight over the counter's
      * cache line (16-column units made a one-row step 30% slower than 64-column ones) */
@@ -438,14 +558,14 @@ static void matmul(int shared, const float *x, void *scratch, const uint8_t *wei
     run_units(shared, linear_unit, &job, (n + columns - 1) / columns);
 }
 
-/* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0. Returns 0,
- * or -1 if scratch memory could not be had. */
+/* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0; `exact`:
+ * x as it is (1) or rounded to 8 bits per 32 (0). Returns 0, or -1 if scratch memory could not be had. */
 int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float *out, int64_t m, int64_t n,
-                       int64_t k, int helpers) {
+                       int64_t k, int helpers, int exact) {
     void *scratch = malloc(quantized_x_bytes(m, k));
     if (!scratch) return -1;
     int shared = begin_shared(helpers);
-    matmul(shared, x, scratch, weight, format, out, m, n, k);
+    matmul(shared, x, scratch, weight, format, out, m, n, k, exact);
     if (shared) end_shared();
     free(scratch);
     return 0;
@@ -642,12 +762,12 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
  * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: one float32 slot cache
  * per layer [slots, kv_heads, capacity, head_dim]. hidden: [rows, hidden] float32, updated in place; row r writes
  * and attends in slot slots[r], at position positions[r] (it sees positions 0..positions[r]), rotated by cos, sin
- * [rows, head_dim]; logits: [rows - first_logit_row, vocabulary]. Returns 0, or -1 if scratch memory could not be
- * had. Rows of one slot must be in order of position. */
+ * [rows, head_dim]; logits: [rows - first_logit_row, vocabulary]; exact: as for lockstep_q4_linear. Returns 0,
+ * or -1 if scratch memory could not be had. Rows of one slot must be in order of position. */
 int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const float *eps,
                         float *const *keys, float *const *values, float *hidden, int64_t rows, const int64_t *slots,
                         const int64_t *positions, const float *cos, const float *sin, float scaling, float *logits,
-                        int64_t first_logit_row, int helpers) {
+                        int64_t first_logit_row, int helpers, int exact) {
     const int64_t width = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], intermediate = dims[4],
                   capacity = dims[5], vocabulary = dims[6];
     const int lm_head_format = (int)dims[7];
@@ -674,7 +794,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     for (int64_t layer = 0; layer < layers; layer++) {
         const void *const *w = weights + 6 * layer;
         rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
-        matmul(shared, normed, quantized, w[1], FORMAT_Q4_1, qkv, rows, qkv_width, width);
+        matmul(shared, normed, quantized, w[1], FORMAT_Q4_1, qkv, rows, qkv_width, width, exact);
         for (int64_t r = 0; r < rows; r++) {
             float *token = qkv + r * qkv_width;
             rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
@@ -687,17 +807,17 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         struct attention_job attention = {qkv, keys[layer], values[layer], attended, slots, lengths, kv_heads, group,
                                           capacity, head_dim, qkv_width, scaling, scratch};
         run_units(share_attention, attention_unit, &attention, rows * kv_heads);
-        matmul(shared, attended, quantized, w[2], FORMAT_Q4_1, projected, rows, width, attended_width);
+        matmul(shared, attended, quantized, w[2], FORMAT_Q4_1, projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
-        matmul(shared, normed, quantized, w[4], FORMAT_Q4_1, gate_up, rows, 2 * intermediate, width);
+        matmul(shared, normed, quantized, w[4], FORMAT_Q4_1, gate_up, rows, 2 * intermediate, width, exact);
         silu_mul(gate_up, activated, rows, intermediate);
-        matmul(shared, activated, quantized, w[5], FORMAT_Q4_1, projected, rows, width, intermediate);
+        matmul(shared, activated, quantized, w[5], FORMAT_Q4_1, projected, rows, width, intermediate, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
     }
     const int64_t logit_rows = rows - first_logit_row;
     rms_norm(hidden + first_logit_row * width, weights[6 * layers], normed, logit_rows, width, eps[2 * layers]);
-    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_rows, vocabulary, width);
+    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_rows, vocabulary, width, exact);
     if (shared) end_shared();
     free(normed), free(scratch), free(lengths), free(quantized);
     return 0;
