@@ -64,6 +64,12 @@ class EngineConfig:
     # On those kernels, decode steps of at most this many rows share their weight matmuls with a helper thread,
     # on the core left to the server (0: never).
     kernel_helper_rows: int = 16
+    # Keys and values of past prompts and answers kept for requests that start with the same tokens (the next
+    # turn of a chat): hf on the 4-bit path, where a resumed prompt computes the same bits (prefix_cache.py);
+    # vLLM: its own automatic prefix caching. At most prefix_cache_tokens positions (hf: ~46 KB each for the
+    # embedded model, so ~750 MB at the default), least recently used first out.
+    prefix_cache: bool = True
+    prefix_cache_tokens: int = 16384
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap
     cache_dir: str = ""
     # vLLM only: passed through so one node can use several GPUs.
@@ -88,8 +94,8 @@ class EngineConfig:
                      "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0:
-            raise ValueError("threads, max_model_len and kernel_helper_rows must be >= 0")
+        if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0 or self.prefix_cache_tokens < 0:
+            raise ValueError("threads, max_model_len, kernel_helper_rows and prefix_cache_tokens must be >= 0")
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
                                                   self.request_timeout_s, self.prefill_step_target_s)):
             raise ValueError("timeouts must be positive")

@@ -177,11 +177,12 @@ class LLMEngine:
     def submit(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None, client_id: str = "",
-               timeout_s: float | None = None, num_prompts: int = 1) -> RequestHandle:
+               timeout_s: float | None = None, num_prompts: int = 1, cache_salt: str | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks.
 
         `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline;
-        `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget)."""
+        `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget);
+        `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes."""
         if not self._accepting:
             raise NotReady("the server is shutting down")
         if not self.is_scheduling:
@@ -190,6 +191,7 @@ class LLMEngine:
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         sampling = sampling or SamplingParams()
         self._validate(sampling)
+        _check_cache_salt(cache_salt)
         deadline = time.monotonic() + self._timeout(timeout_s)  # checked before the (costly) tokenization
         token_ids = self.encode(prompt, messages, prompt_token_ids)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
@@ -202,7 +204,7 @@ class LLMEngine:
         def sequence(seq_id: str, seq_sink, index: int = 0) -> Sequence:
             detokenizer = IncrementalDetokenizer(self.tokenizer, sampling.stop, worker_sampling.min_tokens)
             return Sequence(seq_id, token_ids, worker_sampling, detokenizer, seq_sink, eos_token_ids, client_id,
-                            deadline, group_id=request_id, sample_index=index)
+                            deadline, group_id=request_id, sample_index=index, cache_salt=cache_salt)
 
         if sampling.num_samples == 1:
             self.scheduler.add(sequence(request_id, sink))
@@ -358,3 +360,11 @@ class LLMEngine:
         """The executor has already killed the worker; the loop forks a new one before the next step."""
         logger.error("model worker failed: %s; failing running requests and restarting it", exc)
         self.scheduler.fail_running(exc if isinstance(exc, WorkerFailed) else WorkerFailed(str(exc)))
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def _check_cache_salt(salt) -> None:
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")

@@ -52,6 +52,7 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: WorkerSampling
     sample_ids: tuple[str, ...] = ()
+    cache_salt: str | None = None  # requests share cached prefixes only with requests of the same salt
 
     @property
     def all_sample_ids(self) -> tuple[str, ...]:
@@ -119,6 +120,8 @@ class StepOutput:
     # Only for requests that asked: one entry per new token; the prompt's once, with its first token.
     logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
+    # Per sample of a request that started this step: prompt tokens found in the prefix cache, not prefilled.
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

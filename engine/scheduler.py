@@ -136,6 +136,8 @@ class WorkloadManager:
                         f"the model could not compute this request ({output.failed[seq.request_id]})"))
                     continue
                 try:
+                    if seq.request_id in output.cached_tokens:
+                        seq.cached_tokens = output.cached_tokens[seq.request_id]
                     if seq.request_id in output.prompt_logprobs:
                         seq.prompt_logprobs = output.prompt_logprobs[seq.request_id]
                     self._append_tokens(seq, output.new_token_ids.get(seq.request_id, ()), now,

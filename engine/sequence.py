@@ -24,6 +24,7 @@ class SequenceStatus(Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -31,7 +32,8 @@ class Usage:
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    cache_salt: str | None = None
+    cached_tokens: int = 0  # the worker's report: prompt tokens it did not prefill (prefix cache)
     _unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet in a delta
 
     def __post_init__(self):
@@ -126,8 +130,9 @@ class Sequence:
     def to_new_request(self, sample_ids: tuple[str, ...] = ()) -> NewRequest:
         """The worker's copy; a group's first sample carries every sample id (one prefill for all)."""
         if sample_ids:
-            return NewRequest(self.group_id, tuple(self.prompt_token_ids), self.sampling, sample_ids)
-        return NewRequest(self.request_id, tuple(self.prompt_token_ids), self.sampling)
+            return NewRequest(self.group_id, tuple(self.prompt_token_ids), self.sampling, sample_ids,
+                              self.cache_salt)
+        return NewRequest(self.request_id, tuple(self.prompt_token_ids), self.sampling, cache_salt=self.cache_salt)
 
     def append_token(self, token_id: int, now: float, logprob: TokenLogprob | None = None) -> FinishReason | None:
         """Record one token, stream its text, and say whether the request is now finished."""
@@ -158,7 +163,7 @@ class Sequence:
             request_id=self.request_id,
             text=self.detokenizer.text[:self.detokenizer.num_released],
             finish_reason=reason,
-            usage=Usage(self.num_prompt_tokens, self.num_output_tokens),
+            usage=Usage(self.num_prompt_tokens, self.num_output_tokens, self.cached_tokens),
             timings=self._timings(time.monotonic()),
             output_token_ids=tuple(self.output_token_ids),
             error=None if error is None else str(error),
@@ -223,5 +228,6 @@ class SampleGroup:
             ranked = sorted(ranked, key=lambda o: o.cumulative_logprob, reverse=True)[:self.n]
         samples = tuple(dataclasses.replace(o, request_id=self.request_id, index=i) for i, o in enumerate(ranked))
         best = samples[0]
-        usage = Usage(best.usage.prompt_tokens, sum(o.usage.completion_tokens for o in self.outputs))
+        usage = Usage(best.usage.prompt_tokens, sum(o.usage.completion_tokens for o in self.outputs),
+                      best.usage.cached_tokens)
         return dataclasses.replace(best, usage=usage, samples=samples)

@@ -54,6 +54,7 @@ from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
 from .native import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
+from .prefix_cache import PrefixCache, restore
 from .q4 import Q4Kernels, Q4Weights, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
@@ -80,6 +81,8 @@ class Row:
     sampler: TokenSampler
     num_tokens: int  # tokens in the cache = position id of the next input token
     last_token_id: int
+    token_ids: list[int]  # the prompt and every token sampled since (the last one not yet in the cache)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -131,6 +134,7 @@ class HFBackend(Backend):
         self.prefills: deque[Prefill] = deque()
         self.joining: list[tuple[Prefill, list[Row]]] = []  # prompts done this step; their rows join after decode
         self.skipped_decode = False  # the last step returned first tokens without decoding the rows
+        self.prefix_cache = self._prefix_cache(config)
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
@@ -167,6 +171,17 @@ class HFBackend(Backend):
             "exact": "configured: weights=exact (the 4-bit blocks' own numbers, float32 activations)"}[config.weights]
         return kernels, weights
 
+    def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
+        """Only where a prompt resumed from cached keys and values computes what it would from scratch: the
+        4-bit path computes chunks as decode steps (elsewhere chunk boundaries change the rounding)."""
+        on_4_bits = self.fast_decoder is not None and self.fast_decoder.q4 is not None
+        if not config.prefix_cache or not on_4_bits:
+            logger.info("prefix cache off: %s", "configured" if not config.prefix_cache else
+                        "exact only on the 4-bit path, where chunking does not change the numbers")
+            return None
+        logger.info("prefix cache: up to %d tokens", config.prefix_cache_tokens)
+        return PrefixCache(config.prefix_cache_tokens)
+
     def _bf16_kernels(self, config: EngineConfig) -> Bf16Kernels | None:
         """lockstep's kernels where they apply: they run on one core, so only with one torch thread."""
         if not config.bf16_kernel or self.model.dtype != torch.bfloat16 or self.device.type != "cpu":
@@ -194,9 +209,9 @@ class HFBackend(Backend):
     @torch.inference_mode()
     def step(self, new_requests: tuple[NewRequest, ...], finished_ids: tuple[str, ...]) -> StepOutput:
         output = StepOutput()
-        self._free(set(finished_ids))
+        self._free(set(finished_ids), keep_prefixes=True)
         for request in new_requests:
-            self._queue_prefill(request, output.failed)
+            self._queue_prefill(request, output)
         # Prompts first, and a step whose prompts produced first tokens returns them without decoding the streams
         # (unless the step before skipped already, so streams never wait two steps): a short prompt's first token
         # waits for its own prefill only, not for a decode of every stream too (TTFT beside 8 streams), and the
@@ -215,17 +230,24 @@ class HFBackend(Backend):
 
     def close(self) -> None:
         self._free({row.request_id for row in self.rows} | {i for p in self.prefills for i in p.samplers})
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
-    def _queue_prefill(self, request: NewRequest, failed: dict[str, str]) -> None:
+    def _queue_prefill(self, request: NewRequest, output: StepOutput) -> None:
         try:
             samplers = dict(zip(request.all_sample_ids, samplers_for(request, self.device, grammars=self.grammars)))
         except REQUEST_ERRORS as exc:
-            failed.update(dict.fromkeys(request.all_sample_ids, _describe(exc)))
+            output.failed.update(dict.fromkeys(request.all_sample_ids, _describe(exc)))
             return
         echo = [None] if request.sampling.prompt_logprobs is not None else None  # the first token has none
         cache = self.fast_decoder.new_prompt_cache(len(request.prompt_token_ids)) if self.fast_decoder is not None \
             else DynamicCache()
-        self.prefills.append(Prefill(request, samplers, cache, prompt_logprobs=echo))
+        prefill = Prefill(request, samplers, cache, prompt_logprobs=echo)
+        if self.prefix_cache is not None and echo is None:  # echo needs every prompt position's logits
+            blocks = self.prefix_cache.lookup(request.prompt_token_ids, request.cache_salt)
+            prefill.num_computed = restore(blocks, _prompt_views(cache))
+        output.cached_tokens.update(dict.fromkeys(request.all_sample_ids, prefill.num_computed))
+        self.prefills.append(prefill)
 
     def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
         failed = output.failed
@@ -252,6 +274,7 @@ class HFBackend(Backend):
         for i, token_id in zip(picked, _to_host(list(picked.values()))):
             row = self.rows[i]
             row.last_token_id = token_id
+            row.token_ids.append(token_id)
             new_token_ids[row.request_id] = (token_id,)
             if (entry := row.sampler.accept(token_id)) is not None:
                 output.logprobs[row.request_id] = (entry,)
@@ -287,6 +310,9 @@ class HFBackend(Backend):
                 continue
             if prefill.num_left == 0:
                 self.prefills.popleft()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(prefill.request.prompt_token_ids, prefill.request.cache_salt,
+                                             _prompt_views(prefill.cache))
                 first_token_ids.update(self._first_tokens(prefill, logits, output))
         return first_token_ids
 
@@ -303,7 +329,8 @@ class HFBackend(Backend):
                 output.logprobs[sample_id] = (entry,)
             if prefill.prompt_logprobs is not None:
                 output.prompt_logprobs[sample_id] = tuple(prefill.prompt_logprobs)
-            rows.append(Row(sample_id, sampler, prefill.num_computed, token_id))
+            rows.append(Row(sample_id, sampler, prefill.num_computed, token_id,
+                            [*prefill.request.prompt_token_ids, token_id], prefill.request.cache_salt))
         if rows and prefill.request.sampling.max_tokens > 1:  # else they are done: no need to pad the batch to them
             self.joining.append((prefill, rows))
         return first_token_ids
@@ -386,7 +413,9 @@ class HFBackend(Backend):
             failed[request_id] = _describe(exc)
             return None
 
-    def _free(self, finished_ids: set[str]) -> None:
+    def _free(self, finished_ids: set[str], keep_prefixes: bool = False) -> None:
+        """Drop the requests' state; `keep_prefixes`: their rows' keys and values go to the prefix cache (a
+        finished answer is the start of the next turn's prompt)."""
         if not finished_ids:
             return
         for prefill in self.prefills:
@@ -395,6 +424,10 @@ class HFBackend(Backend):
         gone = {i for i, row in enumerate(self.rows) if row.request_id in finished_ids}
         if not gone:
             return
+        if keep_prefixes and self.prefix_cache is not None:
+            for i in sorted(gone):
+                row = self.rows[i]
+                self.prefix_cache.insert(row.token_ids[:row.num_tokens], row.cache_salt, self.cache.row_views(i))
         for source, target in self.cache.remove_rows(gone):  # the last rows moved into the freed slots
             self.rows[target] = self.rows[source]
         del self.rows[len(self.rows) - len(gone):]
@@ -459,6 +492,11 @@ def _describe(exc: Exception) -> str:
 
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _prompt_views(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A prompt cache's one sequence per layer as [kv_heads, positions, head_dim]."""
+    return [(keys[0], values[0]) for keys, values in _kv(cache)]
 
 
 def _context_length(model_config, configured: int) -> int:

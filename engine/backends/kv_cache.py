@@ -78,6 +78,10 @@ class SlotKVCache(Cache):
         self.lengths.append(length)
         return row
 
+    def row_views(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `row`'s keys and values per layer, [kv_heads, capacity, head_dim] views."""
+        return [(keys[row], values[row]) for keys, values in zip(self.keys, self.values)]
+
     def remove_rows(self, rows: set[int]) -> list[tuple[int, int]]:
         """Free `rows`; the last rows move into the holes. Returns the moves as (from, to), which the
         caller applies to its own list of rows, in order."""

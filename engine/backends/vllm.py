@@ -71,6 +71,8 @@ class VLLMBackend(Backend):
     def _add(self, request: NewRequest) -> None:
         # Rendered first: vLLM 0.32 deprecates passing a raw prompt dict to add_request.
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         engine_input = self.engine.renderer.render_cmpl([prompt])[0]
         for index, sample_id in enumerate(request.all_sample_ids):
             self.engine.add_request(sample_id, engine_input, _sampling_params(request.sampling, index))
@@ -93,6 +95,8 @@ class VLLMBackend(Backend):
             if output.prompt_logprobs:
                 self.prompt_logprobs.setdefault(request_id, []).extend(output.prompt_logprobs)
             if sample.token_ids:
+                if request_id not in step.cached_tokens and output.num_cached_tokens is not None:
+                    step.cached_tokens[request_id] = output.num_cached_tokens
                 step.new_token_ids[request_id] = tuple(sample.token_ids)
                 self._collect_logprobs(request_id, output, step)
             if output.finished:
@@ -208,7 +212,7 @@ def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
         max_model_len=config.max_model_len or None, max_num_seqs=config.max_batch_size,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
-        disable_log_stats=True,
+        disable_log_stats=True, enable_prefix_caching=config.prefix_cache,
         structured_outputs_config={"backend": "guidance"})  # llguidance, as on the hf backend (constrained.py)
     if config.distributed_executor != "auto":
         args["distributed_executor_backend"] = config.distributed_executor

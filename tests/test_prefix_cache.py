@@ -1,0 +1,135 @@
+"""The prefix cache (engine/backends/prefix_cache.py): a request that starts with a past request's tokens (its
+prompt and its answer: the next turn of a chat) prefills only the rest, computes exactly what it would without
+the cache (greedy tokens, logprobs), says how many tokens it found, never shares across cache salts, and the pool
+stays within its bound."""
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.backends.prefix_cache import BLOCK_TOKENS, PrefixCache, restore
+from engine.errors import InvalidRequest
+
+SYSTEM = ("You are a careful assistant. Answer in short, plain sentences and say so when you are unsure. " * 4)
+TURNS = ["What is the tallest mountain in Europe?", "And how high is it, roughly?",
+         "Name one more mountain in that range."]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def conversation(engine, turns, salt=None, sampling=GREEDY):
+    """A chat as clients send it: every turn resends the whole conversation, answers included."""
+    messages, outputs = [{"role": "system", "content": SYSTEM}], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        output = engine.submit(messages=list(messages), sampling=sampling, cache_salt=salt).result(timeout=600)
+        messages.append({"role": "assistant", "content": output.text})
+        outputs.append(output)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engines(smol_model_dir):
+    """The defaults (the embedded model's 4-bit path, where the cache is on) and the same with it off."""
+    from engine import LLMEngine
+    from engine.config import EngineConfig
+
+    cached = LLMEngine(EngineConfig(model=smol_model_dir)).start()
+    uncached = LLMEngine(EngineConfig(model=smol_model_dir, prefix_cache=False)).start()
+    yield cached, uncached
+    cached.shutdown()
+    uncached.shutdown()
+
+
+def test_later_turns_reuse_the_conversation_and_compute_the_same_tokens(engines):
+    cached, uncached = engines
+    with_cache = conversation(cached, TURNS, salt="exactness")
+    without = conversation(uncached, TURNS, salt="exactness")
+    assert [o.output_token_ids for o in with_cache] == [o.output_token_ids for o in without]
+    assert [o.usage.prompt_tokens for o in with_cache] == [o.usage.prompt_tokens for o in without]
+    assert with_cache[0].usage.cached_tokens == 0
+    for earlier, later in zip(with_cache, with_cache[1:]):
+        # the previous prompt and most of its answer (whole blocks; the template around the answer differs)
+        assert later.usage.cached_tokens >= (earlier.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+        assert later.usage.cached_tokens % BLOCK_TOKENS == 0 and later.usage.cached_tokens < later.usage.prompt_tokens
+    assert all(o.usage.cached_tokens == 0 for o in without)
+    assert with_cache[-1].usage.as_dict()["prompt_tokens_details"] == {"cached_tokens": with_cache[-1].usage.cached_tokens}
+
+
+def test_a_hit_gives_the_same_logprobs_and_echo_never_skips_the_prompt(engines):
+    cached, uncached = engines
+    prompt = SYSTEM + " Tell me about bridges."
+    warm = SamplingParams(max_tokens=4)
+    cached.submit(prompt, warm, cache_salt="logprobs").result(timeout=600)
+    sampling = SamplingParams(max_tokens=8, logprobs=3)
+    hit = cached.submit(prompt, sampling, cache_salt="logprobs").result(timeout=600)
+    miss = uncached.submit(prompt, sampling, cache_salt="logprobs").result(timeout=600)
+    assert hit.usage.cached_tokens > 0 and miss.usage.cached_tokens == 0
+    assert hit.output_token_ids == miss.output_token_ids and hit.logprobs == miss.logprobs
+    echo = SamplingParams(max_tokens=2, logprobs=1, echo=True)
+    echoed = cached.submit(prompt, echo, cache_salt="logprobs").result(timeout=600)
+    reference = uncached.submit(prompt, echo, cache_salt="logprobs").result(timeout=600)
+    assert echoed.usage.cached_tokens == 0  # every prompt position's logits are needed
+    assert echoed.prompt_logprobs == reference.prompt_logprobs
+
+
+def test_different_salts_never_share_and_the_same_salt_does(engines):
+    cached, _ = engines
+    prompt = SYSTEM + " Which salt is this?"
+    assert cached.submit(prompt, GREEDY, cache_salt="alice").result(timeout=600).usage.cached_tokens == 0
+    assert cached.submit(prompt, GREEDY, cache_salt="bob").result(timeout=600).usage.cached_tokens == 0
+    assert cached.submit(prompt, GREEDY).result(timeout=600).usage.cached_tokens == 0  # no salt is a salt too
+    assert cached.submit(prompt, GREEDY, cache_salt="alice").result(timeout=600).usage.cached_tokens > 0
+    for bad in ("", "x" * 2000, 7):
+        with pytest.raises(InvalidRequest):
+            cached.submit(prompt, GREEDY, cache_salt=bad)
+
+
+def test_samples_of_one_request_share_its_cached_prompt(engines):
+    cached, _ = engines
+    prompt = SYSTEM + " Give me a name for a cat."
+    cached.submit(prompt, SamplingParams(max_tokens=2), cache_salt="samples").result(timeout=600)
+    output = cached.submit(prompt, SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=3),
+                           cache_salt="samples").result(timeout=600)
+    assert len(output.samples) == 3 and output.usage.cached_tokens > 0
+
+
+def _layers(length: int, seed: int, num_layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(3, length, 8, generator=generator), torch.randn(3, length, 8, generator=generator))
+            for _ in range(num_layers)]
+
+
+def test_the_pool_keeps_its_bound_and_evicts_extensions_before_their_prefixes():
+    cache = PrefixCache(max_tokens=4 * BLOCK_TOKENS)
+    tokens = list(range(10 * BLOCK_TOKENS))
+    layers = _layers(len(tokens), 0)
+    cache.insert(tokens[:3 * BLOCK_TOKENS], None, layers)
+    assert cache.num_tokens == 3 * BLOCK_TOKENS
+    found = cache.lookup(tokens[:3 * BLOCK_TOKENS + 1], None)
+    assert len(found) == 3
+    target = _layers(3 * BLOCK_TOKENS + 1, 1)
+    assert restore(found, target) == 3 * BLOCK_TOKENS
+    assert all(torch.equal(k[:, :3 * BLOCK_TOKENS], kk[:, :3 * BLOCK_TOKENS]) for (k, _), (kk, _) in zip(target, layers))
+    # a lookup leaves the last token to compute: an exact 3-block prompt finds 2 blocks
+    assert len(cache.lookup(tokens[:3 * BLOCK_TOKENS], None)) == 2
+    other = [t + 1 for t in tokens]
+    cache.insert(other[:2 * BLOCK_TOKENS], None, _layers(2 * BLOCK_TOKENS, 2))
+    assert cache.num_tokens == 4 * BLOCK_TOKENS  # 5 blocks offered, 4 kept: the first chain's last block went
+    assert len(cache.lookup(tokens[:4 * BLOCK_TOKENS], None)) == 2
+    assert len(cache.lookup(other[:2 * BLOCK_TOKENS + 1], None)) == 2
+    for start in range(0, 200 * BLOCK_TOKENS, 5 * BLOCK_TOKENS):  # traffic never grows it
+        cache.insert(list(range(start, start + 5 * BLOCK_TOKENS)), None, _layers(5 * BLOCK_TOKENS, start))
+        assert cache.num_tokens <= 4 * BLOCK_TOKENS
+
+
+def test_a_block_is_keyed_by_everything_before_it():
+    cache = PrefixCache(max_tokens=16 * BLOCK_TOKENS)
+    first = list(range(2 * BLOCK_TOKENS))
+    cache.insert(first, "s", _layers(len(first), 0))
+    moved = [9999] * BLOCK_TOKENS + first[BLOCK_TOKENS:]  # the same second block after another first block
+    assert cache.lookup(moved + [1], "s") == []
+    assert cache.lookup(first + [1], "t") == []
+    assert len(cache.lookup(first + [1], "s")) == 2
+    assert cache.queried_tokens == 3 * (2 * BLOCK_TOKENS + 1) and cache.hit_tokens == 2 * BLOCK_TOKENS
+    empty = PrefixCache(max_tokens=0)
+    empty.insert(first, None, _layers(len(first), 0))
+    assert empty.num_tokens == 0 and empty.lookup(first + [1], None) == []
