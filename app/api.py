@@ -33,7 +33,7 @@ def basic_generate():
     body = read_json_body(BASIC_GENERATE)
     prompt = prompt_field(body)
     sampling = sampling_fields(body, lockstep().engine)
-    output = _run_one(prompt=prompt, body=body, sampling=sampling)
+    output = run_one(prompt=prompt, body=body, sampling=sampling)
     extra = {}
     if sampling.n > 1 or sampling.logprobs is not None:
         extra["choices"] = sample_choices(output, sampling, lockstep().engine.token_texts)
@@ -70,7 +70,7 @@ def chat_completions():
     body = read_json_body(CHAT)
     messages = messages_field(body)
     sampling = sampling_fields(body, lockstep().engine)
-    output = _run_one(messages=messages, body=body, sampling=sampling)
+    output = run_one(messages=messages, body=body, sampling=sampling)
     choices = chat_choices(output, sampling, lockstep().engine.token_texts)
     return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
 
@@ -101,7 +101,7 @@ def tokenize():
     return jsonify(tokens=token_ids, count=len(token_ids), max_model_len=engine.max_model_len)
 
 
-def _run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
+def run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
              messages: list | None = None) -> RequestOutput:
     engine = lockstep().engine
     handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(),

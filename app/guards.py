@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 
 OPS_ENDPOINTS = {"ops.health", "ops.ready", "ops.metrics"}  # still answered during a drain
 OPEN_ENDPOINTS = OPS_ENDPOINTS | {"pages.index", "static"}  # answered without an API key
-SOCKET_ENDPOINT = "ws.chat_socket"
+FIRST_FRAME_AUTH_ENDPOINT = "ws.chat_socket"  # browsers cannot set headers: /ws may authenticate in a frame
+SOCKET_ENDPOINTS = {FIRST_FRAME_AUTH_ENDPOINT, "responses_ws.responses_socket"}
 
 
 def register_guards(app) -> None:
@@ -53,7 +54,7 @@ def _hostname(host_header: str) -> str | None:
 
 def _check_origin():
     origin = request.headers.get("Origin")
-    if origin is None or request.endpoint != SOCKET_ENDPOINT or is_allowed_origin(origin):
+    if origin is None or request.endpoint not in SOCKET_ENDPOINTS or is_allowed_origin(origin):
         return None  # REST: the browser enforces CORS; we only leave out the allow header
     return error_response(ApiError(403, f"origin {origin} is not allowed", "origin_not_allowed"))
 
@@ -67,13 +68,14 @@ def _refuse_while_draining():
 
 def _check_api_key():
     """REST needs `Authorization: Bearer <key>`. The socket may send it on the handshake too; browsers cannot,
-    so without the header the socket authenticates with its first frame (app/ws.py)."""
+    so without the header /ws authenticates with its first frame (app/ws.py). The Responses socket takes the
+    key from the handshake only, as OpenAI's SDK sends it."""
     key = lockstep().settings.api_key
     g.is_authenticated = not key
     if request.method == "OPTIONS" or not key or request.endpoint in OPEN_ENDPOINTS:
         return None
     header = request.headers.get("Authorization")
-    if header is None and request.endpoint == SOCKET_ENDPOINT:
+    if header is None and request.endpoint == FIRST_FRAME_AUTH_ENDPOINT:
         return None
     if header is not None and keys_match(bearer_token(header), key):
         g.is_authenticated = True
@@ -121,7 +123,7 @@ def _log_request(response):
     elapsed_ms = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
     request_id = g.get("request_id", "-")
     response.headers["X-Request-Id"] = request_id
-    if request.endpoint != SOCKET_ENDPOINT:
+    if request.endpoint not in SOCKET_ENDPOINTS:
         logger.info("request %s %s %s status=%d tokens=%d duration=%.0fms", request_id, request.method,
                     request.path, response.status_code, g.get("completion_tokens", 0), elapsed_ms)
     return response

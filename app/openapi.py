@@ -10,6 +10,7 @@ from engine.backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGT
 from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED,
                              MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
 
+from . import responses
 from . import schema as shapes
 from .state import AppState, lockstep
 
@@ -89,10 +90,26 @@ def _paths() -> dict:
             "description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}})},
         "/": {"get": {**_operation("chatPage", "The browser chat page", {"200": {
             "description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}), **open_access}},
-        "/ws": {"get": _operation("websocket", _WS_DESCRIPTION, {
-            "101": {"description": "Switching Protocols: the socket is open"},
-            "400": _error_ref("BadRequest"), "426": _error_ref("UpgradeRequired")})},
+        "/ws": {"get": _operation("websocket", _WS_DESCRIPTION, _upgrade_responses())},
+        "/v1/responses": {
+            "post": _generate_operation("createResponse", "OpenAI Responses (not streaming over HTTP: stream over "
+                                        "the WebSocket at this path)", "ResponseRequest", "Response"),
+            "get": _operation("responsesWebsocket", _RESPONSES_WS_DESCRIPTION, _upgrade_responses())},
+        "/v1/responses/{response_id}": {
+            "get": {**_operation("retrieveResponse", "A stored response",
+                                 {**_ok("Response"), "404": _error_ref("NotFound")}), **_response_id()},
+            "delete": {**_operation("deleteResponse", "Delete a stored response",
+                                    {**_ok("ResponseDeleted"), "404": _error_ref("NotFound")}), **_response_id()}},
     }
+
+
+def _response_id() -> dict:
+    return {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]}
+
+
+def _upgrade_responses() -> dict:
+    return {"101": {"description": "Switching Protocols: the socket is open"},
+            "400": _error_ref("BadRequest"), "426": _error_ref("UpgradeRequired")}
 
 
 _WS_DESCRIPTION = (
@@ -101,6 +118,16 @@ _WS_DESCRIPTION = (
     "frame, when the server has a key and the handshake had none). Server: `start`, `delta {id, text}` (with "
     "`index` and `logprobs` for n > 1 or logprobs), `done {id, finish_reason, usage, timing}`, `error {id, code, message, param}` (the socket stays usable). A request without "
     "an upgrade is 400 `invalid_handshake`; more sockets than LOCKSTEP_MAX_SOCKETS, 503.")
+
+
+_RESPONSES_WS_DESCRIPTION = (
+    "OpenAI's Responses API in WebSocket mode (the SDK's client.responses.connect()); the key comes from the "
+    "handshake's Authorization: Bearer. Client: `{type: response.create, ...the fields of POST /v1/responses, "
+    "stream_id, generate}`. Server, per response, each with a sequence_number: response.created, "
+    "response.in_progress, response.output_item.added, response.content_part.added, response.output_text.delta, "
+    "response.output_text.done, response.content_part.done, response.output_item.done, response.completed | "
+    "response.incomplete | response.failed; `error {status, error: {type, code, message, param}}` (the socket "
+    "stays usable).")
 
 
 # Request examples (schemathesis sends them too, so every response shape is checked at least once).
@@ -118,6 +145,12 @@ _EXAMPLES = {
                     "json": {"messages": [{"role": "user", "content": "A JSON object with a name"}],
                              "max_tokens": 16, "response_format": {"type": "json_object"}}},
     "TokenizeRequest": {"prompt": {"prompt": "Hello world"}},
+    "ResponseRequest": {"text": {"model": "smollm2", "input": "The capital of France is", "max_output_tokens": 8,
+                                 "instructions": "Answer briefly.", "metadata": {"topic": "geography"}},
+                        "items": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}],
+                                  "max_output_tokens": 4, "store": False},
+                        "json": {"input": "A JSON object with a name", "max_output_tokens": 16,
+                                 "text": {"format": {"type": "json_object"}}}},
 }
 
 
@@ -226,7 +259,63 @@ def _schemas(state: AppState) -> dict:
         "Health": _object({"status": {"const": "ok"}}),
         "Ready": _object({"status": {"const": "ready"}, "model": _STRING}),
         "NotReady": _object({"status": {"const": "not_ready"}, "reason": _STRING}),
+        **_responses_schemas(sampling),
     }
+
+
+def _responses_schemas(sampling: dict) -> dict:
+    """The Responses API: its request (lockstep's sampling fields beside OpenAI's), the response object."""
+    own = {name: sampling[name] for name in responses.LOCKSTEP_SAMPLING | {"temperature", "top_p"}}
+    part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+            "properties": {"type": {"enum": list(responses.INPUT_PART_TYPES)}, "text": _STRING,
+                           "annotations": {"type": "array", "maxItems": 0},
+                           "logprobs": {"type": "array", "maxItems": 0}}}
+    item = {"type": "object", "additionalProperties": False, "required": ["role", "content"],
+            "properties": {"type": {"const": "message"}, "role": {"enum": ROLES},
+                           "content": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": part}]},
+                           "id": {}, "status": {}, "phase": {}},
+            "description": "A message item: developer is read as system, parts are joined by newlines"}
+    message = _object({"id": _STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
+                       "status": {"enum": ["in_progress", "completed", "incomplete"]},
+                       "content": _array(_object({"type": {"const": "output_text"}, "text": _STRING}))})
+    usage = _object({"input_tokens": _COUNT, "input_tokens_details": _object({"cached_tokens": _COUNT}),
+                     "output_tokens": _COUNT, "total_tokens": _COUNT})
+    return {
+        "ResponseRequest": _request({
+            "input": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES,
+                                        "items": item}]},
+            "instructions": _nullable(_STRING), "max_output_tokens": _nullable(_max_tokens()),
+            "text": _nullable({"type": "object", "additionalProperties": False, "properties": {
+                "format": _nullable(_text_format()), "verbosity": {"type": "null"}}}),
+            "previous_response_id": _nullable({"type": "string", "minLength": 1,
+                                               "maxLength": responses.MAX_ID_LENGTH}),
+            "store": _nullable({"type": "boolean", "description": "Default true: kept (bounded, oldest evicted)"}),
+            "metadata": _nullable({"type": "object", "maxProperties": responses.MAX_METADATA_PAIRS,
+                                   "propertyNames": {"maxLength": responses.MAX_METADATA_KEY},
+                                   "additionalProperties": {"type": "string",
+                                                            "maxLength": responses.MAX_METADATA_VALUE}}),
+            "user": _nullable({"type": "string", "maxLength": responses.MAX_USER_CHARS}),
+            "model": _nullable(_STRING),
+            "stream": {"enum": [False, None], "description": "Streaming is served over the WebSocket at /v1/responses"},
+            **_not_implemented_fields(responses.NOT_IMPLEMENTED, responses.NOT_USED)}, own, required=["input"]),
+        "Response": _object({
+            "id": _STRING, "object": {"const": "response"}, "created_at": _COUNT, "model": _STRING,
+            "status": {"enum": ["completed", "incomplete", "failed", "cancelled"]},
+            "incomplete_details": _nullable(_object({"reason": _STRING})), "output": _array(message),
+            "usage": _nullable(usage)}),
+        "ResponseDeleted": _object({"id": _STRING, "object": {"const": "response.deleted"},
+                                    "deleted": {"const": True}}),
+    }
+
+
+def _text_format() -> dict:
+    """Responses' text.format: chat's response_format, with json_schema's fields beside `type`."""
+    json_schema = _response_format()["oneOf"][1]["properties"]["json_schema"]
+    return {"oneOf": [
+        _response_format()["oneOf"][0],
+        {**json_schema, "required": ["type", *json_schema["required"]],
+         "properties": {"type": {"const": "json_schema"}, **json_schema["properties"]}},
+    ]}
 
 
 _STRING = {"type": "string"}
@@ -306,11 +395,11 @@ def _openai_common() -> dict:
             **_not_implemented_fields()}
 
 
-def _not_implemented_fields() -> dict:
+def _not_implemented_fields(not_implemented: dict = shapes.NOT_IMPLEMENTED, not_used: dict = shapes.NOT_USED) -> dict:
     """OpenAI's fields this server does not implement: accepted only as null, or with a value that means
     "not used" (an empty tools list, tool_choice "none")."""
-    return {name: {"enum": [*shapes.NOT_USED.get(name, ()), None], "description": why}
-            for name, why in shapes.NOT_IMPLEMENTED.items()}
+    return {name: {"enum": [*not_used.get(name, ()), None], "description": why}
+            for name, why in not_implemented.items()}
 
 
 def _sampling_properties(state: AppState) -> dict:

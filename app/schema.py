@@ -66,6 +66,10 @@ class RequestShape:
     aliases: dict = field(default_factory=dict)
     is_openai: bool = False  # OpenAI's unimplemented fields get their own message (and null counts as absent)
     one_of: tuple[str, ...] = ()  # at most one of these may be given
+    not_implemented: dict = field(default_factory=lambda: NOT_IMPLEMENTED)  # OpenAI's fields refused, with why
+    not_used: dict = field(default_factory=lambda: NOT_USED)  # their values that ask for nothing (accepted)
+    stream_hint: str = STREAM_HINT  # what `stream: true` is told
+    keeps_responses: bool = False  # `store: true` is served (the Responses API keeps what it answers)
 
     def accepts(self, name: str) -> bool:
         return name in self.fields or name in self.aliases
@@ -128,24 +132,24 @@ def checked_fields(body: dict, shape: RequestShape) -> dict:
 
 
 def _check_field(name: str, value, shape: RequestShape) -> None:
-    if shape.is_openai and name in NOT_IMPLEMENTED:
-        if value is None or any(value == used and type(value) is type(used) for used in NOT_USED.get(name, ())):
+    if shape.is_openai and name in shape.not_implemented:
+        if value is None or any(value == used and type(value) is type(used) for used in shape.not_used.get(name, ())):
             return
-        raise unsupported_field(name, NOT_IMPLEMENTED[name])
+        raise unsupported_field(name, shape.not_implemented[name])
     if name in SERVED_ELSEWHERE and not shape.accepts(name):
         if value is None or value is False:
             return
         raise unsupported_field(name, SERVED_ELSEWHERE[name])
     if not shape.accepts(name):
-        shown = _shown_name(name)
+        shown = shown_name(name)
         raise unsupported_field(shown, f"unknown field {shown!r}: {shape.name} does not read it")
     if name == "stream" and value not in (None, False):
         if value is not True:
             raise invalid_value("stream", "stream must be true or false")
-        raise unsupported_field("stream", STREAM_HINT)
+        raise unsupported_field("stream", shape.stream_hint)
     if name in ("model", "user") and value is not None and not isinstance(value, str):
         raise invalid_value(name, f"{name} must be a string")
-    if name == "store" and value not in (None, False):
+    if name == "store" and value not in (None, False) and not shape.keeps_responses:
         raise unsupported_field("store", "store is not supported: this server keeps no completions (send false)")
 
 
@@ -161,7 +165,7 @@ def _resolve_aliases(body: dict, shape: RequestShape) -> dict:
     return body
 
 
-def _shown_name(name: str) -> str:
+def shown_name(name: str) -> str:
     """A field name fit to echo back: at most MAX_PARAM_CHARS characters, lone surrogates replaced."""
     return name[:MAX_PARAM_CHARS].encode("utf-8", "replace").decode("utf-8")
 
@@ -228,11 +232,16 @@ def messages_field(body: dict) -> list[dict]:
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages", "messages")
     plain = [_plain_message(message, index) for index, message in enumerate(messages)]
-    for index, message in enumerate(plain):
-        check_encodable(message["content"], "messages", f"messages[{index}].content")
-    if not any(m["content"].strip() for m in plain if m["role"] == "user"):
-        raise InvalidRequest("messages need at least one non-empty user message", "messages")
+    check_conversation(plain, "messages")
     return plain
+
+
+def check_conversation(plain: list[dict], name: str) -> None:
+    """Plain {role, content} messages a chat template can take: Unicode text, and something from the user."""
+    for index, message in enumerate(plain):
+        check_encodable(message["content"], name, f"{name}[{index}].content")
+    if not any(m["content"].strip() for m in plain if m["role"] == "user"):
+        raise InvalidRequest(f"{name} need at least one non-empty user message", name)
 
 
 def _plain_message(message, index: int) -> dict:
@@ -259,34 +268,52 @@ def _check_message_field(name: str, value, where: str) -> None:
             raise unsupported_field("messages", f"{where}.{name} is not supported: this server does not call tools "
                                                 "nor produce audio")
         return
-    raise unsupported_field("messages", f"{where}: unknown message field {_shown_name(name)!r}")
+    raise unsupported_field("messages", f"{where}: unknown message field {shown_name(name)!r}")
 
 
 def _content_text(message: dict, where: str) -> str:
     """A string content as it is; a list of text parts joined by newlines (as vLLM does); anything else refused.
     A null content would only make sense beside tool calls, which this server does not make."""
-    content = message.get("content")
+    return content_text(message.get("content"), where, CHAT_PARTS)
+
+
+@dataclass(frozen=True)
+class ContentParts:
+    """The parts a message's content may hold (chat's text parts; the Responses API's input and output text)."""
+
+    param: str  # the field errors name
+    types: tuple[str, ...]
+    empty_fields: frozenset = frozenset()  # fields read back from an answer: accepted when empty
+
+
+CHAT_PARTS = ContentParts("messages", ("text",))
+
+
+def content_text(content, where: str, parts: ContentParts) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        raise invalid_value("messages", f"{where}.content is null: this server needs text in every message "
-                                        "(a null content only goes with tool calls, which it does not support)")
+        raise invalid_value(parts.param, f"{where}.content is null: this server needs text in every message "
+                                         "(a null content only goes with tool calls, which it does not support)")
     if not isinstance(content, list) or not content:
-        raise invalid_value("messages", f"{where}.content must be a string or a non-empty list of text parts")
-    return "\n".join(_text_part(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+        raise invalid_value(parts.param, f"{where}.content must be a string or a non-empty list of text parts")
+    return "\n".join(_text_part(part, f"{where}.content[{i}]", parts) for i, part in enumerate(content))
 
 
-def _text_part(part, where: str) -> str:
+def _text_part(part, where: str, parts: ContentParts) -> str:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-        raise invalid_value("messages", f"{where} must be an object with a type")
-    if part["type"] != "text":
-        raise unsupported_field("messages", f"{where} is a {_shown_name(part['type'])!r} part; only text parts "
-                                            "are supported")
+        raise invalid_value(parts.param, f"{where} must be an object with a type")
+    if part["type"] not in parts.types:
+        raise unsupported_field(parts.param, f"{where} is a {shown_name(part['type'])!r} part; only "
+                                             f"{' and '.join(parts.types)} parts are supported")
     if not isinstance(part.get("text"), str):
-        raise invalid_value("messages", f"{where}.text must be a string")
-    extra = set(part) - {"type", "text"}
+        raise invalid_value(parts.param, f"{where}.text must be a string")
+    extra = set(part) - {"type", "text"} - parts.empty_fields
     if extra:
-        raise unsupported_field("messages", f"{where}: unknown part field {_shown_name(sorted(extra)[0])!r}")
+        raise unsupported_field(parts.param, f"{where}: unknown part field {shown_name(sorted(extra)[0])!r}")
+    if any(part.get(name) for name in parts.empty_fields):
+        raise unsupported_field(parts.param, f"{where}: {' and '.join(sorted(parts.empty_fields))} are not read; "
+                                             "send them empty")
     return part["text"]
 
 

@@ -12,6 +12,7 @@ from engine import EngineConfig, LLMEngine
 from engine.sampling import MAX_STOP_LENGTH
 
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class ServerSettings:
     ws_auth_timeout_s: float = 10.0  # with an API key, the first frame must be an auth frame within this
     drain_timeout_s: float = 30.0
     trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client (fairness per user)
+    responses_store_entries: int = 1024  # responses kept for GET /v1/responses/{id} and previous_response_id
+    responses_store_bytes: int = 64 << 20  # ... and their bytes (the oldest goes first at either cap)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "ServerSettings":
@@ -50,6 +53,8 @@ class ServerSettings:
             drain_timeout_s=float(environ.get("LOCKSTEP_DRAIN_TIMEOUT_S", cls.drain_timeout_s)),
             trusted_proxies=tuple(p.strip() for p in environ.get("LOCKSTEP_TRUSTED_PROXIES", "").split(",")
                                   if p.strip()),
+            responses_store_entries=int(environ.get("LOCKSTEP_RESPONSES_STORE_ENTRIES", cls.responses_store_entries)),
+            responses_store_bytes=int(environ.get("LOCKSTEP_RESPONSES_STORE_BYTES", cls.responses_store_bytes)),
         )
 
     @property
@@ -104,9 +109,11 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
     sockets: SocketBudget = field(init=False)
+    responses: ResponseStore = field(init=False)
 
     def __post_init__(self):
         self.sockets = SocketBudget(self.settings.max_sockets)
+        self.responses = ResponseStore(self.settings.responses_store_entries, self.settings.responses_store_bytes)
 
     def begin_drain(self) -> None:
         """SIGTERM: refuse new requests (503), let running ones finish; idle sockets close themselves."""

@@ -19,12 +19,13 @@ SMALL_MAX_TOKENS = 3  # generated bodies ask for at most this many tokens (time,
 MAX_SAMPLES = 2
 MAX_PROMPTS = 2
 MIN_TIMEOUT_S = 60.0  # a generated deadline of 1e-300 s would expire (504, as documented), not test the API
-GENERATING = {"/basic_generate", "/generate", "/v1/completions", "/v1/chat/completions"}
+GENERATING = {"/basic_generate", "/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_headers_conformance", "response_schema_conformance"]
 OPERATIONS = ["POST /basic_generate", "POST /generate", "POST /v1/completions", "POST /v1/chat/completions",
               "POST /tokenize", "GET /v1/models", "GET /v1/models/{model}", "GET /health", "GET /ready",
-              "GET /metrics", "GET /openapi.json", "GET /", "GET /ws"]
+              "GET /metrics", "GET /openapi.json", "GET /", "GET /ws", "POST /v1/responses", "GET /v1/responses",
+              "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_every_route_is_documented(server, document):
     for rule in server.app.url_map.iter_rules():
         if rule.endpoint == "static":
             continue
-        path = rule.rule.replace("<path:model_id>", "{model}")
+        path = rule.rule.replace("<path:model_id>", "{model}").replace("<response_id>", "{response_id}")
         served |= {(path, method.lower()) for method in rule.methods - {"HEAD", "OPTIONS"}}
     documented = {(path, method) for path, item in document["paths"].items() for method in item}
     assert documented == served
@@ -125,11 +126,11 @@ def _bound_the_work(body) -> None:
     for name in ("prompts", "prompt"):
         if isinstance(body.get(name), list) and len(body[name]) > MAX_PROMPTS and not _is_int(body[name][0]):
             body[name] = body[name][:MAX_PROMPTS]
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if _is_int(body.get(name)) and body[name] > SMALL_MAX_TOKENS:
             body[name] = SMALL_MAX_TOKENS
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = SMALL_MAX_TOKENS
+    if not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & set(body):
+        body["max_output_tokens" if "input" in body else "max_tokens"] = SMALL_MAX_TOKENS
     for name in ("n", "best_of"):
         if _is_int(body.get(name)) and body[name] > MAX_SAMPLES:
             body[name] = MAX_SAMPLES

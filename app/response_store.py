@@ -1,0 +1,69 @@
+"""Responses kept for `GET /v1/responses/{id}` and `previous_response_id`: bounded in entries and bytes.
+
+The oldest entry goes first when either cap is reached, so the store never grows with traffic; an evicted id
+answers `previous_response_not_found` like one that never existed. A socket keeps its own few last responses
+in one of these too (also those sent with `store: false`).
+"""
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MESSAGE_OVERHEAD_BYTES = 64  # a message's role and dict, roughly, beside its text
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict  # the response object, as answered
+    history: tuple[dict, ...]  # the conversation it continues plus its output: {role, content} messages
+    num_bytes: int
+
+    @classmethod
+    def of(cls, response: dict, history: tuple[dict, ...]) -> "StoredResponse":
+        size = len(json.dumps(response, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        size += sum(len(m["content"].encode("utf-8", "surrogatepass")) + MESSAGE_OVERHEAD_BYTES for m in history)
+        return cls(response, history, size)
+
+
+class ResponseStore:
+    """Thread-safe: REST handlers and socket sessions share the server's store."""
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._num_bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, stored: StoredResponse) -> bool:
+        """Keep it, evicting the oldest as needed; False if it alone is larger than the store."""
+        if stored.num_bytes > self.max_bytes or self.max_entries < 1:
+            return False
+        with self._lock:
+            self._remove(stored.response["id"])
+            self._entries[stored.response["id"]] = stored
+            self._num_bytes += stored.num_bytes
+            while len(self._entries) > self.max_entries or self._num_bytes > self.max_bytes:
+                self._remove(next(iter(self._entries)))
+        return True
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._remove(response_id)
+
+    def _remove(self, response_id: str) -> bool:
+        stored = self._entries.pop(response_id, None)
+        if stored is None:
+            return False
+        self._num_bytes -= stored.num_bytes
+        return True
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,364 @@
+"""OpenAI's Responses API over REST: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+A request becomes a `Turn`: the messages the chat template gets (instructions, the turns it continues, its new
+input items), the sampling, and the fields the answer repeats. An engine output becomes OpenAI's response
+object. app/responses_ws.py streams the same turns over the WebSocket (OpenAI's "WebSocket mode").
+"""
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from flask import Blueprint, jsonify, request
+
+from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams
+from engine.inputs import check_encodable
+
+from .api import run_one
+from .errors import ApiError, invalid_value, missing_field, unsupported_field
+from .response_store import StoredResponse
+from .schema import (MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
+                     content_text, read_json_body, sampling_fields, shown_name)
+from .state import lockstep
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("responses", __name__)
+
+STREAM_HINT = ("streaming is served over the WebSocket: open ws://HOST/v1/responses and send response.create "
+               "(the official SDK: client.responses.connect()); send \"stream\": false or omit it")
+# lockstep's own sampling fields, as on its other endpoints (OpenAI's Responses API has none of them).
+LOCKSTEP_SAMPLING = frozenset({"top_k", "seed", "stop", "ignore_eos", "timeout", "presence_penalty",
+                               "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
+RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | {
+    "input", "instructions", "temperature", "top_p", "text", "previous_response_id"}
+NOT_IMPLEMENTED = {
+    "tools": "tools (function calling, built-in tools) are not supported; send no tools or an empty list",
+    "tool_choice": "tool_choice is not supported (only \"none\" or \"auto\"): this server does not call tools",
+    "parallel_tool_calls": "parallel_tool_calls is not supported: this server does not call tools",
+    "max_tool_calls": "max_tool_calls is not supported: this server does not call tools",
+    "reasoning": "reasoning is not supported by this model",
+    "background": "background responses are not supported (answers come in the call, or stream over the "
+                  "WebSocket)",
+    "include": "include is not supported: this server adds nothing to its responses",
+    "truncation": "truncation is not supported (only \"disabled\"): a conversation past the context is refused",
+    "conversation": "conversations are not supported: continue with previous_response_id",
+    "prompt": "prompt templates are not supported",
+    "top_logprobs": "top_logprobs are not supported on /v1/responses (use /v1/chat/completions)",
+    "service_tier": "service_tier is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported",
+    "prompt_cache_retention": "prompt_cache_retention is not supported",
+    "prompt_cache_options": "prompt_cache_options are not supported",
+    "safety_identifier": "safety_identifier is not supported",
+    "stream_options": "stream_options are not supported",
+    "context_management": "context_management (compaction) is not supported",
+    "moderation": "moderation is not supported",
+    "image": "image options are not supported: this server answers text only",
+    "access_programs": "access_programs are not supported",
+    "background_options": "background responses are not supported",
+}
+NOT_USED = {"tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (False, True),
+            "include": ([],), "truncation": ("disabled",), "background": (False,)}
+RESPONSES = RequestShape("/v1/responses", RESPONSE_FIELDS, aliases={"max_output_tokens": "max_tokens"},
+                         is_openai=True, not_implemented=NOT_IMPLEMENTED, not_used=NOT_USED, stream_hint=STREAM_HINT,
+                         keeps_responses=True)
+
+MAX_ID_LENGTH = 128
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+MAX_USER_CHARS = 256
+MAX_CONVERSATION_MESSAGES = 4 * MAX_MESSAGES  # a continued conversation, all turns (the context bounds it too)
+INPUT_PART_TYPES = ("input_text", "output_text")
+# an output_text part as the SDK returns it carries annotations and logprobs: accepted when empty
+INPUT_PARTS = ContentParts("input", INPUT_PART_TYPES, frozenset({"annotations", "logprobs"}))
+ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status", "phase"})
+STATUS_OF = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete", FinishReason.ABORT: "cancelled",
+             FinishReason.ERROR: "failed"}
+
+
+class PreviousResponseNotFound(ApiError):
+    def __init__(self, response_id: str):
+        super().__init__(400, f"previous response {shown_name(response_id)!r} not found (never made, deleted, or "
+                              "evicted from the bounded store)", "previous_response_not_found",
+                         "previous_response_id")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One response to make: what the model reads, how it samples, what the answer repeats."""
+
+    response_id: str
+    messages: list[dict]  # instructions (as a system message), the previous turns, the new input
+    history: tuple[dict, ...]  # the previous turns and the new input, without instructions: what a next turn continues
+    sampling: SamplingParams
+    fields: dict  # the request's fields that the response object repeats
+    store: bool
+    timeout_s: float | None
+    created_at: int
+
+
+# -- routes -------------------------------------------------------------------------------------------------------
+
+@bp.post("/v1/responses")
+def create_response():
+    body = read_json_body(RESPONSES)
+    state = lockstep()
+    turn = parse_turn(body, state.engine, state.responses.get)
+    output = run_one(body, turn.sampling, messages=turn.messages)
+    response = response_object(turn, output)
+    remember(turn, response, [state.responses] if turn.store else [])
+    return jsonify(response)
+
+
+@bp.get("/v1/responses/<response_id>")
+def retrieve_response(response_id: str):
+    _refuse_query()
+    return jsonify(_stored(response_id).response)
+
+
+@bp.delete("/v1/responses/<response_id>")
+def delete_response(response_id: str):
+    _refuse_query()
+    if not lockstep().responses.delete(response_id):
+        raise _not_found(response_id)
+    return jsonify(id=response_id, object="response.deleted", deleted=True)
+
+
+def _stored(response_id: str) -> StoredResponse:
+    stored = lockstep().responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response {shown_name(response_id)!r} (never stored, deleted, or evicted)",
+                    "response_not_found", "response_id")
+
+
+def _refuse_query() -> None:
+    """GET's `include`, `stream`, `starting_after`: nothing to include, and a stored response is not replayed."""
+    for name in request.args:
+        raise unsupported_field(shown_name(name), f"query parameter {shown_name(name)!r} is not supported")
+
+
+# -- a request -> a turn ------------------------------------------------------------------------------------------
+
+def parse_turn(body: dict, engine, find_previous: Callable[[str], StoredResponse | None],
+               generate: bool = True) -> Turn:
+    """A checked body (see RESPONSES) as a Turn; `find_previous` resolves previous_response_id. Without
+    `generate` (the socket's warm-up) the input may be empty: the turn only prepares a conversation."""
+    previous = _previous(body.get("previous_response_id"), find_previous)
+    new_items = input_messages(body.get("input"), required=generate)
+    history = (previous.history if previous else ()) + tuple(new_items)
+    if len(history) > MAX_CONVERSATION_MESSAGES:
+        raise invalid_value("input", f"the conversation would have {len(history)} messages; at most "
+                                     f"{MAX_CONVERSATION_MESSAGES}")
+    instructions = _instructions(body.get("instructions"))
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + list(history)
+    if generate:
+        check_conversation(list(history), "input")
+    return Turn(f"resp_{uuid.uuid4().hex}", messages, history, _sampling(body, engine), _echoed_fields(body),
+                store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()))
+
+
+def _store(value) -> bool:
+    if value is not None and not isinstance(value, bool):
+        raise invalid_value("store", "store must be true or false")
+    return value is not False
+
+
+def _previous(response_id, find_previous) -> StoredResponse | None:
+    if response_id is None:
+        return None
+    if not isinstance(response_id, str) or not response_id or len(response_id) > MAX_ID_LENGTH:
+        raise invalid_value("previous_response_id", f"previous_response_id must be a response id (a string of at "
+                                                    f"most {MAX_ID_LENGTH} characters)")
+    previous = find_previous(response_id)
+    if previous is None:
+        raise PreviousResponseNotFound(response_id)
+    return previous
+
+
+def _instructions(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise invalid_value("instructions", "instructions must be a string")
+    check_encodable(value, "instructions")
+    return value or None
+
+
+def input_messages(value, required: bool = True) -> list[dict]:
+    """`input` as {role, content} messages: a string is one user message; a list holds message items (roles
+    user, system, developer, assistant; content a string or input_text / output_text parts)."""
+    if value is None:
+        if required:
+            raise missing_field("input")
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or (required and not value):
+        raise invalid_value("input", "input must be a string or a non-empty list of message items")
+    if len(value) > MAX_MESSAGES:
+        raise invalid_value("input", f"at most {MAX_MESSAGES} input items")
+    return [_input_message(item, f"input[{index}]") for index, item in enumerate(value)]
+
+
+def _input_message(item, where: str) -> dict:
+    if not isinstance(item, dict):
+        raise invalid_value("input", f"{where} must be a message item: {{role, content}}")
+    if item.get("type", "message") != "message":
+        raise unsupported_field("input", f"{where} is a {shown_name(str(item.get('type')))!r} item; only message "
+                                         "items are supported (no tool calls, reasoning or files)")
+    if item.get("role") not in ROLES:
+        raise invalid_value("input", f"{where}.role must be one of {', '.join(ROLES)}")
+    extra = set(item) - ITEM_FIELDS
+    if extra:
+        raise unsupported_field("input", f"{where}: unknown item field {shown_name(sorted(extra)[0])!r}")
+    content = content_text(item.get("content"), where, INPUT_PARTS)
+    return {"role": ROLE_AS.get(item["role"], item["role"]), "content": content}
+
+
+def _sampling(body: dict, engine) -> SamplingParams:
+    """The engine's sampling from the body; `text.format` is chat's `response_format` (JSON mode)."""
+    response_format = _response_format(body.get("text"))
+    try:
+        return sampling_fields({**body, "response_format": response_format}, engine)
+    except InvalidRequest as exc:
+        if exc.param != "response_format":
+            raise
+        raise InvalidRequest(f"text.format (read as response_format): {exc}", "text") from None
+
+
+def _response_format(text) -> dict | None:
+    """Responses' text.format ({type, name, schema, strict}) as chat's response_format ({type, json_schema})."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise invalid_value("text", "text must be an object: {\"format\": {\"type\": ...}}")
+    extra = set(text) - {"format", "verbosity"}
+    if extra:
+        raise unsupported_field("text", f"unknown text field {shown_name(sorted(extra)[0])!r}")
+    if text.get("verbosity") is not None:
+        raise unsupported_field("text", "text.verbosity is not supported")
+    form = text.get("format")
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        return form
+    return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+
+
+def _echoed_fields(body: dict) -> dict:
+    return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_tokens"),
+            "metadata": _metadata(body.get("metadata")), "previous_response_id": body.get("previous_response_id"),
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "user": _user(body.get("user"))}
+
+
+def _metadata(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise invalid_value("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise invalid_value("metadata", f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
+                                            f"strings of at most {MAX_METADATA_VALUE}")
+        check_encodable(key, "metadata")
+        check_encodable(item, "metadata")
+    return value
+
+
+def _user(value) -> str | None:
+    if value is not None and len(value) > MAX_USER_CHARS:
+        raise invalid_value("user", f"user must be at most {MAX_USER_CHARS} characters")
+    return value
+
+
+# -- an output -> OpenAI's response object ------------------------------------------------------------------------
+
+def response_object(turn: Turn, output: RequestOutput | None, item_id: str | None = None) -> dict:
+    """The response as OpenAI shapes it; `output` None: still in progress (or, for a warm-up, nothing made)."""
+    fields = turn.fields
+    return {
+        "id": turn.response_id, "object": "response", "created_at": turn.created_at,
+        "status": _status(output), "background": False, "error": _error(output),
+        "incomplete_details": _incomplete_details(output), "instructions": fields["instructions"],
+        "max_output_tokens": fields["max_output_tokens"], "metadata": fields["metadata"],
+        "model": lockstep().model_name, "output": [output_message(output, item_id)] if _has_message(output) else [],
+        "parallel_tool_calls": False, "previous_response_id": fields["previous_response_id"],
+        "reasoning": {"effort": None, "summary": None}, "store": turn.store,
+        "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": "none", "tools": [],
+        "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
+        "user": fields["user"],
+    }
+
+
+def in_progress_object(turn: Turn) -> dict:
+    return {**response_object(turn, None), "status": "in_progress", "usage": None}
+
+
+def output_message(output: RequestOutput | None, item_id: str | None, text: str | None = None) -> dict:
+    """The one assistant message item; without an output, the item as it starts (no content yet)."""
+    status = "in_progress" if output is None else _item_status(output)
+    content = [] if output is None and text is None else [output_text_part(output.text if text is None else text)]
+    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message", "status": status, "role": "assistant",
+            "content": content}
+
+
+def output_text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def usage_object(output: RequestOutput | None) -> dict:
+    prompt = output.usage.prompt_tokens if output else 0
+    completion = output.usage.completion_tokens if output else 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached_tokens(output),
+                                                             "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def cached_tokens(output: RequestOutput | None) -> int:
+    """Prompt tokens the engine did not compute again (its prefix cache): the one place this is read, 0 until
+    the engine's usage reports it."""
+    return getattr(output.usage, "cached_tokens", 0) if output else 0
+
+
+def _has_message(output: RequestOutput | None) -> bool:
+    return output is not None and output.finish_reason is not FinishReason.ERROR
+
+
+def _status(output: RequestOutput | None) -> str:
+    if output is None:
+        return "completed"  # a warm-up: nothing to make
+    return STATUS_OF[output.finish_reason]
+
+
+def _item_status(output: RequestOutput) -> str:
+    return "completed" if output.finish_reason is FinishReason.STOP else "incomplete"
+
+
+def _incomplete_details(output: RequestOutput | None) -> dict | None:
+    if output is None or output.finish_reason is not FinishReason.LENGTH:
+        return None
+    return {"reason": "max_output_tokens"}
+
+
+def _error(output: RequestOutput | None) -> dict | None:
+    if output is None or output.finish_reason is not FinishReason.ERROR:
+        return None
+    return {"code": output.error_code or "server_error", "message": output.error or "generation failed"}
+
+
+# -- conversation state -------------------------------------------------------------------------------------------
+
+def remember(turn: Turn, response: dict, stores: list) -> None:
+    """Keep the response (and the conversation it ends) where a next turn or a GET will look for it."""
+    text = "".join(part["text"] for item in response["output"] for part in item["content"])
+    history = turn.history + (({"role": "assistant", "content": text},) if response["output"] else ())
+    stored = StoredResponse.of(response, history)
+    for store in stores:
+        if not store.put(stored):
+            logger.info("response %s (%d bytes) is larger than a response store; not kept", turn.response_id,
+                        stored.num_bytes)
