@@ -1,6 +1,6 @@
 """Fuzz a lockstep server from outside while well-formed traffic runs beside it and is checked.
 
-    python -m bench.fuzz --cases 10000 --json /tmp/fuzz.json            # starts its own gunicorn (float32)
+    python -m bench.fuzz --cases 10000 --json /tmp/fuzz.json            # starts its own gunicorn (weights=exact)
     python -m bench.fuzz --url http://127.0.0.1:8311 --cases 10000      # a server that is already running
 
 Cases (bench.fuzzcases, seeded, reproducible with --seed; one case alone with --only N): REST bodies for every
@@ -292,7 +292,9 @@ def parse_args(argv=None):
     parser.add_argument("--only", type=int, nargs="*", help="run only these case numbers (replay)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-seconds", type=float, default=1800)
-    parser.add_argument("--dtype", default="float32", help="of the server we start (exact greedy checks)")
+    parser.add_argument("--weights", default="exact",
+                        help="LOCKSTEP_WEIGHTS of the server we start (exact: float32, exact greedy checks, the "
+                             "prefix cache on)")
     parser.add_argument("--server-log", type=Path, help="log of a --url server, to count worker forks")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/lockstep-fuzz"))
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -323,7 +325,7 @@ def main(argv=None) -> int:
 def _server_for(args) -> ServerUnderTest:
     if args.url:
         return ServerUnderTest(args.url, args.server_log)
-    return start_gunicorn(args.log_dir / "gunicorn.log", {"LOCKSTEP_DTYPE": args.dtype,
+    return start_gunicorn(args.log_dir / "gunicorn.log", {"LOCKSTEP_WEIGHTS": args.weights,
                                                          "LOCKSTEP_DEFAULT_MAX_TOKENS": "8"})
 
 

@@ -5,8 +5,9 @@
 
 Load, all at once: WebSocket streams (several per socket; some cancelled mid-stream, some sockets dropped
 abruptly), /basic_generate, /generate, /v1/chat/completions, a long prompt every --long-every-s seconds, fuzz
-cases (bench.fuzzcases) mixed in, and a /health prober. The server runs in float32 (LOCKSTEP_DTYPE) so that
-a greedy answer does not depend on the batch it shared: every answer must equal its prompt's answer taken alone
+cases (bench.fuzzcases) mixed in, and a /health prober. The server runs with LOCKSTEP_WEIGHTS=exact (float32
+on the 4-bit kernels, every row computed alike, the prefix cache on) so that a greedy answer does not depend on
+the batch it shared or on the cached prefix it resumed from: every answer must equal its prompt's answer taken alone
 at the start (the references are pairwise distinct, so a swapped answer is seen as a cross-delivery), and a
 cancelled stream's text must be a prefix of its reference. Reports requests, errors by kind, cross-delivered and
 lost results, worker restarts, latencies, the longest inter-token gap, and RSS / threads / fds of the gunicorn
@@ -334,14 +335,14 @@ def parse_args(argv=None):
     parser.add_argument("--streamers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-burn", action="store_true", help="no CPU burner")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default="exact", help="LOCKSTEP_WEIGHTS of the server")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/lockstep-soak"))
     parser.add_argument("--json", type=Path)
     return parser.parse_args(argv)
 
 
-def run_soak(config: SoakConfig, log_dir: Path, dtype: str = "float32", env: dict | None = None) -> dict:
-    server = start_gunicorn(log_dir / "gunicorn.log", {"LOCKSTEP_DTYPE": dtype, **(env or {})})
+def run_soak(config: SoakConfig, log_dir: Path, weights: str = "exact", env: dict | None = None) -> dict:
+    server = start_gunicorn(log_dir / "gunicorn.log", {"LOCKSTEP_WEIGHTS": weights, **(env or {})})
     try:
         server.wait_ready()
         result = Soak(server, config).run()
@@ -357,7 +358,7 @@ def main(argv=None) -> int:
     logging.getLogger("bench.load").setLevel(logging.ERROR)
     config = SoakConfig(args.minutes, args.long_tokens, args.long_every_s, args.streamers, seed=args.seed,
                         burn=not args.no_burn)
-    result = run_soak(config, args.log_dir, args.dtype)
+    result = run_soak(config, args.log_dir, args.weights)
     print(format_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

@@ -2,7 +2,8 @@
 HTTP) against the real gunicorn, with a checked greedy stream, a checked REST loop and a /health prober beside it.
 
 The server is gunicorn (not werkzeug) because raw HTTP parsing, slow clients and worker forks are gunicorn's and
-the fork count is read from its log. float32, so a greedy answer must match its prompt answered alone exactly.
+the fork count is read from its log. weights=exact (float32 on the 4-bit kernels, the prefix cache on), so a
+greedy answer must match its prompt answered alone exactly, cached prefix or not.
 """
 import pytest
 
@@ -17,7 +18,7 @@ TIME_BOUND_S = 75
 @pytest.fixture(scope="module")
 def report(smol_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "gunicorn.log"
-    server = start_gunicorn(log, {"LOCKSTEP_DTYPE": "float32", "LOCKSTEP_DEFAULT_MAX_TOKENS": "8"})
+    server = start_gunicorn(log, {"LOCKSTEP_WEIGHTS": "exact", "LOCKSTEP_DEFAULT_MAX_TOKENS": "8"})
     try:
         server.wait_ready()
         yield fuzz(server, CASES, SEED, concurrency=6, max_seconds=TIME_BOUND_S, do_minimize=False)

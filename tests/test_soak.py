@@ -1,4 +1,4 @@
-"""bench.soak in its short mode: the real gunicorn (float32) under mixed load with a CPU burner on every core.
+"""bench.soak in its short mode: the real gunicorn (weights=exact, the prefix cache on) under mixed load with a CPU burner on every core.
 
 Asserts the zeros (no cross-delivered, lost or failed well-formed request, no worker restart) and flat memory:
 each process ends within 10% (+40 MB of allocator noise) of its RSS after warm-up, which already includes the
