@@ -12,6 +12,7 @@ import uuid
 from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams
+from engine.sequence import Usage
 
 from .choices import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
@@ -105,13 +106,14 @@ def run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
              messages: list | None = None) -> RequestOutput:
     engine = lockstep().engine
     handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(),
-                           timeout_s=body.get("timeout"))
+                           timeout_s=body.get("timeout"), cache_salt=body.get("cache_salt"))
     return _checked(_wait_while_connected([handle]))[0]
 
 
 def _run_many(prompts: list[str], body: dict, sampling: SamplingParams) -> list[RequestOutput]:
     engine = lockstep().engine
-    handles = engine.submit_many(prompts, sampling, client_id=client_address(), timeout_s=body.get("timeout"))
+    handles = engine.submit_many(prompts, sampling, client_id=client_address(), timeout_s=body.get("timeout"),
+                                 cache_salt=body.get("cache_salt"))
     return _checked(_wait_while_connected(handles))
 
 
@@ -185,9 +187,8 @@ def _checked(outputs: list[RequestOutput]) -> list[RequestOutput]:
 
 
 def _total_usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(o.usage.prompt_tokens for o in outputs)
-    completion = sum(o.usage.completion_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(sum(o.usage.prompt_tokens for o in outputs), sum(o.usage.completion_tokens for o in outputs),
+                 sum(o.usage.cached_tokens for o in outputs)).as_dict()
 
 
 def _openai_envelope(prefix: str, obj: str, choices: list, outputs: list[RequestOutput]) -> dict:

@@ -33,11 +33,18 @@ class ServerMetrics(RequestObserver):
         self.worker_restarts = Counter("lockstep:worker_restarts", "Model workers forked to replace one that "
                                        "died, hung or answered wrong.", registry=r)
         self.ready = Gauge("lockstep:worker_ready", "1 when the model worker is up.", registry=r)
+        # vLLM's names: prompt tokens looked up in the prefix cache, and of them those found there.
+        self.prefix_queries = Counter("lockstep:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", registry=r)
+        self.prefix_hits = Counter("lockstep:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        self._prefix_cache_on = lambda: False
 
     def bind(self, engine) -> None:
         self.running.set_function(lambda: engine.scheduler.num_running)
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
         self.ready.set_function(lambda: 1.0 if engine.is_ready else 0.0)
+        self._prefix_cache_on = lambda: engine.info is not None and engine.info.prefix_cache
 
     def on_token(self, seq, now: float, previous: float | None) -> None:
         if previous is None:
@@ -49,6 +56,9 @@ class ServerMetrics(RequestObserver):
         self.requests.labels(output.finish_reason.value).inc()
         self.prompt_tokens.inc(output.usage.prompt_tokens)
         self.generation_tokens.inc(output.usage.completion_tokens)
+        if self._prefix_cache_on():
+            self.prefix_queries.inc(output.usage.prompt_tokens)
+            self.prefix_hits.inc(output.usage.cached_tokens)
         self.e2e.observe(output.timings.e2e_s)
         if seq.scheduled_time is not None:
             self.queue_time.observe(seq.scheduled_time - seq.arrival_time)

@@ -7,6 +7,7 @@ they list what is always there. tests/test_openapi.py runs schemathesis against 
 from flask import Blueprint, jsonify
 
 from engine.backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
+from engine.engine import MAX_CACHE_SALT_CHARS
 from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED,
                              MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
 
@@ -229,7 +230,8 @@ def _schemas(state: AppState) -> dict:
                             "properties": {"prompt": _TEXT, "messages": _ref("Messages"), "model": _nullable(_STRING)},
                             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
         "Messages": {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES, "items": _message()},
-        "Usage": _object({"prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT}),
+        "Usage": _object({"prompt_tokens": _COUNT, "completion_tokens": _COUNT, "total_tokens": _COUNT,
+                          "prompt_tokens_details": _object({"cached_tokens": _COUNT})}),
         "Timing": _object({"queue_ms": _NUMBER, "ttft_ms": _nullable(_NUMBER), "e2e_ms": _NUMBER,
                            "tokens_per_s": _NUMBER}),
         "BasicGenerateResponse": _with_optional(
@@ -416,6 +418,8 @@ def _sampling_properties(state: AppState) -> dict:
         "ignore_eos": {"type": "boolean"},
         "timeout": _nullable({"type": "number", "exclusiveMinimum": 0,
                               "description": "Seconds; shortens the server's request deadline"}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                                 "description": "Only requests with the same salt share cached prompt prefixes"}),
         **_sampling_engineer_fields(state.engine.config),
     }
 

@@ -18,7 +18,7 @@ from engine.inputs import check_encodable
 from .api import run_one
 from .errors import ApiError, invalid_value, missing_field, unsupported_field
 from .response_store import StoredResponse
-from .schema import (MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
+from .schema import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
                      content_text, read_json_body, sampling_fields, shown_name)
 from .state import lockstep
 
@@ -31,7 +31,7 @@ STREAM_HINT = ("streaming is served over the WebSocket: open ws://HOST/v1/respon
 # lockstep's own sampling fields, as on its other endpoints (OpenAI's Responses API has none of them).
 LOCKSTEP_SAMPLING = frozenset({"top_k", "seed", "stop", "ignore_eos", "timeout", "presence_penalty",
                                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
-RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | {
+RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | CACHE_SALT | {
     "input", "instructions", "temperature", "top_p", "text", "previous_response_id"}
 NOT_IMPLEMENTED = {
     "tools": "tools (function calling, built-in tools) are not supported; send no tools or an empty list",
@@ -95,6 +95,7 @@ class Turn:
     store: bool
     timeout_s: float | None
     created_at: int
+    cache_salt: str | None = None
 
 
 # -- routes -------------------------------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def parse_turn(body: dict, engine, find_previous: Callable[[str], StoredResponse
     if generate:
         check_conversation(list(history), "input")
     return Turn(f"resp_{uuid.uuid4().hex}", messages, history, _sampling(body, engine), _echoed_fields(body),
-                store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()))
+                store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()),
+                cache_salt=body.get("cache_salt"))
 
 
 def _store(value) -> bool:

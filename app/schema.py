@@ -26,6 +26,8 @@ SAMPLING = frozenset({
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "best_of",
     "logprobs", "top_logprobs", "echo", "response_format",
 })
+# vLLM's field: requests share cached prompt prefixes only with requests of the same salt (README: prefix cache).
+CACHE_SALT = frozenset({"cache_salt"})
 # OpenAI fields read for information only (never change the answer), and `stream`, whose only accepted value
 # on REST is false.
 OPENAI_COMMON = frozenset({"model", "user", "metadata", "store", "stream"})
@@ -75,13 +77,13 @@ class RequestShape:
         return name in self.fields or name in self.aliases
 
 
-BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING - {"echo"} | {"prompt"})
-GENERATE = RequestShape("/generate", SAMPLING - {"echo"} | {"prompts"})
-COMPLETIONS = RequestShape("/v1/completions", SAMPLING | OPENAI_COMMON | {"prompt"}, is_openai=True)
-CHAT = RequestShape("/v1/chat/completions", SAMPLING - {"echo"} | OPENAI_COMMON | {"messages"},
+BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING - {"echo"} | CACHE_SALT | {"prompt"})
+GENERATE = RequestShape("/generate", SAMPLING - {"echo"} | CACHE_SALT | {"prompts"})
+COMPLETIONS = RequestShape("/v1/completions", SAMPLING | CACHE_SALT | OPENAI_COMMON | {"prompt"}, is_openai=True)
+CHAT = RequestShape("/v1/chat/completions", SAMPLING - {"echo"} | CACHE_SALT | OPENAI_COMMON | {"messages"},
                     aliases={"max_completion_tokens": "max_tokens"}, is_openai=True)
 TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}), one_of=("prompt", "messages"))
-WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | {"type", "id", "prompt", "messages"},
+WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | CACHE_SALT | {"type", "id", "prompt", "messages"},
                            one_of=("prompt", "messages"))
 
 

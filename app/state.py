@@ -142,7 +142,9 @@ class AppState:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lockstep",
                 "backend": info.backend if info else backend, "backend_reason": reason,
                 "dtype": info.dtype if info else engine.config.dtype, "device": info.device if info else None,
-                "weights": info.weights if info else None, "compute": info.compute if info else None, "compute_reason": info.compute_reason if info else None,
+                "weights": info.weights if info else None, "compute": info.compute if info else None,
+                "compute_reason": info.compute_reason if info else None,
+                "prefix_cache": info.prefix_cache if info else None,
                 "max_model_len": engine.max_model_len or None, "max_batch_size": engine.config.max_batch_size,
                 "policy": engine.config.policy, "ready": engine.is_ready,
                 # Limits a client should know, served so that the page does not repeat them.

@@ -102,6 +102,7 @@ class ModelInfo:
     weights: str = ""  # the weights' format where it is not `dtype` (q4_1: the GGUF's 4-bit blocks)
     compute: str = ""  # what computes the model here (weights, kernels, threads)
     compute_reason: str = ""  # the host and why that was chosen
+    prefix_cache: bool = False  # whether prompts resume from cached prefixes (hf: prefix_cache.py; vLLM: its own)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def make_server_for():
 @pytest.fixture(scope="module")
 def smol_server(smol_model_dir):
     """One live server with the real embedded model on its defaults for this host, shared by a module."""
-    server = start_live_server(smol_model_dir, threads=0)
+    server = start_live_server(smol_model_dir, dtype="auto", threads=0)
     yield server
     server.stop()
 

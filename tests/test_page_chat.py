@@ -475,6 +475,30 @@ def test_decode_speed_is_shown_apart_from_ttft(open_page):
     assert 5 <= decode <= 15, f"5 tokens after the first in ~0.5 s is ~10 tokens/s, not the server's 0.2: {decode}"
 
 
+def test_a_ten_turn_chat_resumes_from_the_cached_conversation(open_page):
+    """Each turn the page resends the whole conversation; from the second turn on the server reads the earlier
+    turns from its prefix cache (the done frames' usage says how many prompt tokens it did not prefill)."""
+    done_frames = []
+
+    def keep_done_frames(frame):
+        message = json.loads(frame)
+        if message.get("type") == "done":
+            done_frames.append(message)
+    page = open_page(before_load=lambda p: p.on("websocket", lambda ws: ws.on("framereceived", keep_done_frames)))
+    set_settings(page, temperature=0, max_tokens=6)
+    for turn in range(10):
+        send(page, f"Turn {turn}: tell me one more thing about lighthouses and the sea around them.")
+        wait_done(last_answer(page))
+        expect(page.locator("#chat-log .msg.assistant")).to_have_count(turn + 1)
+    usages = [frame["usage"] for frame in done_frames]
+    assert len(usages) == 10
+    cached = [usage["prompt_tokens_details"]["cached_tokens"] for usage in usages]
+    prompts = [usage["prompt_tokens"] for usage in usages]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+    # every turn finds at least the whole blocks of the turn before's prompt
+    assert all(c >= p // 32 * 32 for c, p in zip(cached[1:], prompts)), (cached, prompts)
+
+
 # ---- readiness, limits, accessibility, phone ------------------------------------------------------------------
 
 def test_model_loading_state_holds_send_until_ready(browser, smol_server):  # noqa: F811

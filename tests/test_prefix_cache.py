@@ -9,6 +9,9 @@ from engine import SamplingParams
 from engine.backends.prefix_cache import BLOCK_TOKENS, PrefixCache, restore
 from engine.errors import InvalidRequest
 
+from .client import http
+from .conftest import sdk
+
 SYSTEM = ("You are a careful assistant. Answer in short, plain sentences and say so when you are unsure. " * 4)
 TURNS = ["What is the tallest mountain in Europe?", "And how high is it, roughly?",
          "Name one more mountain in that range."]
@@ -133,3 +136,55 @@ def test_a_block_is_keyed_by_everything_before_it():
     empty = PrefixCache(max_tokens=0)
     empty.insert(first, None, _layers(len(first), 0))
     assert empty.num_tokens == 0 and empty.lookup(first + [1], None) == []
+
+
+# ---- served: the usage fields, cache_salt on the wire, metrics, a Responses socket conversation ---------------
+
+def _metric(server, name: str) -> float:
+    _, _, text = http("GET", server.url + "/metrics")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_served_turns_report_cached_tokens_and_count_them_in_metrics(smol_server):
+    hits_before = _metric(smol_server, "lockstep:prefix_cache_hits_total")
+    queries_before = _metric(smol_server, "lockstep:prefix_cache_queries_total")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "cache_salt": "served"}
+    status, _, first = http("POST", smol_server.url + "/v1/chat/completions", body)
+    assert status == 200 and first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    messages += [first["choices"][0]["message"], {"role": "user", "content": TURNS[1]}]
+    status, _, second = http("POST", smol_server.url + "/v1/chat/completions", {**body, "messages": messages})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert status == 200 and cached >= first["usage"]["prompt_tokens"] // BLOCK_TOKENS * BLOCK_TOKENS > 0
+    completion = {"prompt": [SYSTEM + " Once more:"], "max_tokens": 2, "cache_salt": "served"}
+    for expected_hit in (False, True):  # prompts admitted in one step all miss: the second call hits
+        status, _, answer = http("POST", smol_server.url + "/v1/completions", completion)
+        assert status == 200 and (answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) == expected_hit
+    assert _metric(smol_server, "lockstep:prefix_cache_hits_total") - hits_before >= cached
+    assert _metric(smol_server, "lockstep:prefix_cache_queries_total") - queries_before >= \
+        first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    _, _, models = http("GET", smol_server.url + "/v1/models")
+    assert models["data"][0]["prefix_cache"] is True
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 2000, 7, ["a"]])
+def test_a_bad_cache_salt_is_a_clear_400(smol_server, salt):
+    status, _, error = http("POST", smol_server.url + "/basic_generate",
+                            {"prompt": "Hi", "max_tokens": 2, "cache_salt": salt})
+    assert status == 400 and "cache_salt" in error["error"]["message"]
+
+
+def test_a_responses_socket_conversation_resumes_from_the_cache(smol_server):
+    client = sdk(smol_server)
+    previous, usages = None, []
+    with client.responses.connect() as connection:
+        for text in [SYSTEM + " My name is Ada. Say hello.", "What is my name?", "Spell it."]:
+            connection.response.create(model="smollm2", input=text, max_output_tokens=8, temperature=0,
+                                       previous_response_id=previous)
+            while (event := connection.recv()).type not in ("response.completed", "response.incomplete"):
+                assert event.type != "error", event
+            usages.append(event.response.usage)
+            previous = event.response.id
+    cached = [usage.input_tokens_details.cached_tokens for usage in usages]
+    assert cached[0] == 0 and all(later >= earlier.input_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
+                                  for earlier, later in zip(usages, cached[1:])), (cached, usages)

@@ -140,7 +140,7 @@ class HFBackend(Backend):
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
             eos_token_ids=_eos_token_ids(self.model), compute=self._forward_name(),
             weights="q4_1" if self.fast_decoder is not None and self.fast_decoder.q4 is not None else "",
-            compute_reason=f"{host.describe()}: {self.compute_reason}")
+            compute_reason=f"{host.describe()}: {self.compute_reason}", prefix_cache=self.prefix_cache is not None)
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "

@@ -42,7 +42,7 @@ class VLLMBackend(Backend):
         self.info = ModelInfo(
             model=model_path, backend="vllm", dtype=str(model_config.dtype).removeprefix("torch."),
             device=device, max_model_len=model_config.max_model_len,
-            eos_token_ids=_eos_token_ids(self.llm))
+            eos_token_ids=_eos_token_ids(self.llm), prefix_cache=config.prefix_cache)
         logger.info("vLLM backend: %s on %s, max_model_len %d", self.info.dtype, device,
                     self.info.max_model_len)
 
