@@ -69,11 +69,12 @@ $(RAY_STAMP): $(VLLM_STAMP)
 	touch $(RAY_STAMP)
 
 # The serving comparison (docs/benchmarks.md): lockstep's configurations beside vLLM's server and llama.cpp's own
-# llama-server, one after another, then the serving section and its plot rewritten. About 20 minutes; not part of
-# `make test`.
+# llama-server, one after another, then the serving section and its plot rewritten; then multi-turn chat (request
+# time per turn, the prefix cache against theirs). About 30 minutes; not part of `make test`.
 BENCH_STAMP := $(VENV)/.bench-installed
 bench: setup model vllm llama-server $(BENCH_STAMP)
 	$(PY) -m bench compare --docs docs/benchmarks.md $(BENCH_ARGS)
+	$(PY) -m bench multiturn
 
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install $(PIP_FLAGS) -e '.[bench]'
