@@ -6,7 +6,7 @@ from flask import Flask
 from engine import BackendUnavailable, EngineConfig, LLMEngine, WorkerFailed
 from engine.model_store import ModelNotFound
 
-from . import api, openapi, ops, pages, responses, responses_ws, ws
+from . import api, openapi, ops, pages, responses, responses_ws, sockets, ws
 from .errors import register_error_handlers
 from .guards import register_guards
 from .metrics import ServerMetrics
@@ -37,6 +37,7 @@ def create_app(config: dict | None = None) -> Flask:
 
     register_error_handlers(app)
     register_guards(app)
+    sockets.init_app(app)  # after the guards: the upgrade's refusals come last, as the route's did
     for module in (api, openapi, ops, pages, responses, responses_ws, ws):
         app.register_blueprint(module.bp)
     if app.config["START_ENGINE"]:

@@ -267,7 +267,7 @@ def _schemas(state: AppState) -> dict:
 
 def _responses_schemas(sampling: dict) -> dict:
     """The Responses API: its request (lockstep's sampling fields beside OpenAI's), the response object."""
-    own = {name: sampling[name] for name in responses.LOCKSTEP_SAMPLING | {"temperature", "top_p"}}
+    own = {name: sampling[name] for name in responses.LOCKSTEP_SAMPLING | shapes.CACHE_SALT | {"temperature", "top_p"}}
     part = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
             "properties": {"type": {"enum": list(responses.INPUT_PART_TYPES)}, "text": _STRING,
                            "annotations": {"type": "array", "maxItems": 0},

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flask import Blueprint
+from simple_websocket import Server
 
 from engine import EngineError, FinishReason, RequestOutput
 from engine.sequence import DeltaEvent
@@ -33,7 +34,7 @@ from .response_store import ResponseStore, StoredResponse
 from .responses import (RESPONSES, Turn, in_progress_object, output_message, output_text_part, parse_turn, remember,
                         response_object)
 from .schema import checked_fields, shown_name
-from .sockets import LockstepSocket, SocketSession, serve_socket
+from .sockets import SocketSession, serve_socket, sock
 from .state import AppState
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,10 @@ FRAME_TOO_LARGE = ApiError(500, "this event would be larger than a 1 MiB frame",
                            type_="server_error")
 
 
-@bp.route("/v1/responses", websocket=True)
-def responses_socket():
+@sock.route("/v1/responses", bp=bp)
+def responses_socket(ws: Server):
     client = client_address()
-    return serve_socket(lambda ws, state: ResponsesSession(ws, state, client))
+    serve_socket(ws, lambda ws, state: ResponsesSession(ws, state, client))
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Running:
 
 
 class ResponsesSession(SocketSession):
-    def __init__(self, ws: LockstepSocket, state: AppState, client: str):
+    def __init__(self, ws: Server, state: AppState, client: str):
         # The guards refused a handshake without the key (when the server has one): the socket is authenticated.
         super().__init__(ws, state, client, is_authenticated=True)
         self.running: dict[str, Running] = {}  # engine request id -> its response
@@ -150,7 +151,7 @@ class ResponsesSession(SocketSession):
             return
         request_id = f"wsr-{uuid.uuid4().hex[:12]}"
         self.engine.submit(None, turn.sampling, messages=turn.messages, request_id=request_id, sink=self.inbox,
-                           client_id=self.client, timeout_s=turn.timeout_s)
+                           client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt)
         running.item_id = f"msg_{uuid.uuid4().hex}"
         self.running[request_id] = running
         self.busy_lanes.add(lane)

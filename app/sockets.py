@@ -1,5 +1,12 @@
 """What every WebSocket route shares: the refusals before the upgrade, the socket, and a session loop.
 
+The routes are flask-sock's (`@sock.route(path, bp=bp)`): flask-sock upgrades with simple_websocket's Server,
+built from the request's environ and SOCK_SERVER_OPTIONS (ping interval, frame limit), and calls the route
+with it. What must happen before the upgrade is a `before_request` hook here, the last one (after Host,
+Origin, drain and key): a broken handshake (400/426) or a socket over the cap (503) is refused with a JSON
+body, and an accepted one holds a socket slot that `teardown_request` gives back. The same hook puts a
+GuardedSocket in the environ, so the Server flask-sock builds sends under one lock and closes lingering.
+
 One thread owns a session's state and does every send: it blocks on one queue that receives both the
 engine's events for the session's requests and the frames that a small reader thread takes off the
 socket. Closing the socket cancels the session's running requests. A protocol (app/ws.py, app/responses_ws.py)
@@ -8,11 +15,6 @@ subclasses SocketSession and says what a frame and an engine event do.
 Every way out of a session ends with a close code: 1000 (done), 1001 (idle, shutdown), 1003
 (binary frame), 1007 (invalid UTF-8), 1008 (authentication), 1009 (frame too big), 1011 (a
 bug). An error frame, by contrast, leaves the socket usable.
-
-The route is ours rather than flask-sock's decorator (which it mirrors) so that a socket over
-the cap or a bad handshake is refused before the upgrade, and so that the socket is a
-LockstepSocket: simple_websocket's Server with a close that lets the client read the close
-frame (see GuardedSocket).
 """
 import json
 import logging
@@ -23,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from flask import Response, request
+from flask import Response, g, request
+from flask_sock import Sock
 from simple_websocket import ConnectionClosed, Server
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError
@@ -31,6 +34,7 @@ from wsproto.utilities import LocalProtocolError
 from engine import EngineError
 
 from .errors import ApiError, error_response, from_engine_error
+from .guards import SOCKET_ENDPOINTS
 from .schema import parse_json_object
 from .state import AppState, lockstep
 
@@ -40,7 +44,18 @@ TICK_S = 1.0  # how often an idle session looks at its timers (auth, idle, drain
 CLOSE_WAIT_S = 2.0  # how long a closing socket waits for the client's close reply, and drains what it still sends
 MAX_DRAIN_BYTES = 4 << 20
 WEBSOCKET_VERSION = "13"
+CONNECTION_KEYS = ("gunicorn.socket", "werkzeug.socket")  # where simple_websocket finds the connection
 INTERNAL_ERROR = ApiError(500, "internal server error", "internal_error")
+
+sock = Sock()  # stateless until init_app: the routes are registered on their blueprints
+
+
+def init_app(app) -> None:
+    """flask-sock's options and the upgrade's hooks. Call after register_guards: this hook must run last."""
+    app.config["SOCK_SERVER_OPTIONS"] = socket_options(app.extensions["lockstep"].settings)
+    app.before_request(_prepare_upgrade)
+    app.teardown_request(_release_socket_slot)
+    sock.init_app(app)
 
 
 @dataclass(frozen=True)
@@ -61,28 +76,37 @@ class SessionClosing(Exception):
         self.code, self.reason = code, reason
 
 
-def serve_socket(make_session: Callable[["LockstepSocket", AppState], "SocketSession"]) -> Response:
-    """A WebSocket route's body: refuse before the upgrade, or upgrade and run the session to its end."""
-    state = lockstep()
-    refusal = check_handshake(state)
+def serve_socket(ws: Server, make_session: Callable[[Server, AppState], "SocketSession"]) -> None:
+    """A flask-sock route's body: run the session to its end, then close the socket cleanly."""
+    try:
+        make_session(ws, lockstep()).run()
+    except Exception:  # noqa: BLE001 - past the upgrade no HTTP error may follow: the connection is the socket's
+        logger.exception("socket session failed")
+    finally:
+        finish(ws)
+
+
+def _prepare_upgrade() -> Response | None:
+    if request.endpoint not in SOCKET_ENDPOINTS:
+        return None
+    refusal = check_handshake(lockstep())
     if refusal is not None:
         return refusal
-    try:
-        ws = LockstepSocket(request.environ, **socket_options(state.settings))
-        try:
-            make_session(ws, state).run()
-        except Exception:  # noqa: BLE001 - past the upgrade no HTTP error may follow: the connection is the socket's
-            logger.exception("socket session failed")
-        finally:
-            ws.finish()
-    finally:
-        state.sockets.release()
-    return SocketDone()
+    g.holds_socket_slot = True
+    for key in CONNECTION_KEYS:
+        if key in request.environ:
+            request.environ[key] = GuardedSocket(request.environ[key])
+    return None
+
+
+def _release_socket_slot(_error=None) -> None:
+    if g.pop("holds_socket_slot", False):
+        lockstep().sockets.release()
 
 
 def check_handshake(state: AppState) -> Response | None:
     """Refuse before the upgrade, with a JSON body: a broken handshake (400/426), too many sockets (503).
-    On None a socket slot is held: the route releases it."""
+    On None a socket slot is held: teardown releases it."""
     if not request.headers.get("Sec-WebSocket-Key"):
         return error_response(ApiError(400, "a WebSocket upgrade needs Sec-WebSocket-Key", "invalid_handshake"))
     if request.headers.get("Sec-WebSocket-Version") != WEBSOCKET_VERSION:
@@ -96,22 +120,12 @@ def check_handshake(state: AppState) -> Response | None:
     return None
 
 
-class SocketDone(Response):
-    """What the route returns once the socket is closed (as flask-sock does): under gunicorn the connection
-    is the socket's, so no HTTP response may follow; werkzeug writes one to the closed socket and ignores it."""
-
-    def __call__(self, environ, start_response):
-        if "gunicorn.socket" in environ:
-            raise StopIteration()  # gunicorn: "close this connection"
-        return super().__call__(environ, start_response)
-
-
 class SocketSession:
     """The loop every protocol shares. Subclasses implement `on_message` (a parsed, authenticated frame),
     `on_engine_event` (a DeltaEvent or RequestOutput of theirs), `error_frame`, `has_running` and
     `cancel_all`; `reference_of` picks what an error about a frame names (its id, its lane)."""
 
-    def __init__(self, ws: "LockstepSocket", state: AppState, client: str, is_authenticated: bool):
+    def __init__(self, ws: Server, state: AppState, client: str, is_authenticated: bool):
         self.ws = ws
         self.state = state
         self.engine = state.engine
@@ -166,7 +180,7 @@ class SocketSession:
             code, reason = closing.code, closing.reason
         finally:
             self.cancel_all()
-        self.ws.close_with(code, reason)
+        close_with(self.ws, code, reason)
 
     def _read_frames(self) -> None:
         try:
@@ -245,47 +259,35 @@ class SocketSession:
             self.is_open = False  # the socket is already closing (a close code was sent): end the session
 
 
-class LockstepSocket(Server):
-    """simple_websocket's server socket, adapted (documented here, small):
+def close_with(ws: Server, code: int, reason: str) -> None:
+    """Send a close frame unless one went already. Wakes a `receive` that waits: upstream leaves it blocked
+    once it has sent its close frame, until the client answers."""
+    if not ws.connected:
+        return
+    try:
+        ws.close(code, reason)
+    except (ConnectionClosed, OSError, LocalProtocolError):  # closing or closed already
+        pass
+    finally:
+        ws.event.set()
 
-    - its socket is a GuardedSocket: one lock around sends (the ping thread and the session both send),
-      and a lingering close, so a client still sending (a 1 MiB frame past the 256 KiB limit) reads the
-      close frame (1009) instead of a TCP reset;
-    - `close` wakes a `receive` that waits (upstream leaves it blocked once the socket is closed).
-    """
 
-    def __init__(self, environ, **options):
-        environ = dict(environ)
-        for key in ("gunicorn.socket", "werkzeug.socket"):
-            if key in environ:
-                environ[key] = GuardedSocket(environ[key])
-        super().__init__(environ, **options)
-
-    def close(self, reason=None, message=None):
-        try:
-            super().close(reason, message)
-        finally:
-            self.event.set()
-
-    def close_with(self, code: int, reason: str) -> None:
-        if not self.connected:
-            return
-        try:
-            self.close(code, reason)
-        except (ConnectionClosed, OSError, LocalProtocolError):  # closing or closed already
-            pass
-
-    def finish(self) -> None:
-        """Wait for the client's close reply (bounded), then let the socket's thread close the connection."""
-        self.close_with(CloseReason.NORMAL_CLOSURE, "")
-        self.thread.join(CLOSE_WAIT_S)
-        if self.thread.is_alive():  # the client never answered the close: cut the connection
-            self.sock.shutdown_quietly()
-            self.thread.join(CLOSE_WAIT_S)
+def finish(ws: Server) -> None:
+    """Wait for the client's close reply (bounded), then let the socket's thread close the connection."""
+    close_with(ws, CloseReason.NORMAL_CLOSURE, "")
+    ws.thread.join(CLOSE_WAIT_S)
+    if ws.thread.is_alive():  # the client never answered the close: cut the connection
+        ws.sock.shutdown_quietly()
+        ws.thread.join(CLOSE_WAIT_S)
 
 
 class GuardedSocket:
-    """The connection's socket as simple_websocket uses it (send, recv, fileno, close)."""
+    """The connection's socket as simple_websocket uses it (send, recv, fileno, close), adapted:
+
+    - one lock around sends (the ping thread and the session both send) and `sendall`, not `send`;
+    - a lingering close, so a client still sending (a 1 MiB frame past the 256 KiB limit) reads the
+      close frame (1009) instead of a TCP reset.
+    """
 
     def __init__(self, sock: socket.socket):
         self.sock = sock

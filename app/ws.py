@@ -8,6 +8,7 @@ import logging
 import uuid
 
 from flask import Blueprint, g
+from simple_websocket import Server
 from wsproto.frame_protocol import CloseReason
 
 from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams
@@ -18,7 +19,7 @@ from .choices import chat_logprob_content
 from .errors import INVALID_VALUE, ApiError, from_failed_output, invalid_value, missing_field, ws_error
 from .guards import keys_match
 from .schema import WS_GENERATE, checked_fields, messages_field, prompt_field, sampling_fields
-from .sockets import LockstepSocket, SessionClosing, SocketSession, serve_socket
+from .sockets import SessionClosing, SocketSession, serve_socket, sock
 from .state import AppState
 
 logger = logging.getLogger(__name__)
@@ -28,14 +29,14 @@ bp = Blueprint("ws", __name__)
 MAX_ID_LENGTH = 128
 
 
-@bp.route("/ws", websocket=True)
-def chat_socket():
+@sock.route("/ws", bp=bp)
+def chat_socket(ws: Server):
     is_authenticated = g.get("is_authenticated", False)
-    return serve_socket(lambda ws, state: ChatSession(ws, state, client_address(), is_authenticated))
+    serve_socket(ws, lambda ws, state: ChatSession(ws, state, client_address(), is_authenticated))
 
 
 class ChatSession(SocketSession):
-    def __init__(self, ws: LockstepSocket, state: AppState, client: str, is_authenticated: bool):
+    def __init__(self, ws: Server, state: AppState, client: str, is_authenticated: bool):
         super().__init__(ws, state, client, is_authenticated)
         self.client_ids: dict[str, str] = {}  # engine request id -> client id
         self.request_ids: dict[str, str] = {}  # client id -> engine request id
@@ -101,7 +102,8 @@ class ChatSession(SocketSession):
                                  "best_of")
         request_id = f"ws-{uuid.uuid4().hex[:12]}"
         self.engine.submit(prompt, sampling, messages=messages, request_id=request_id, sink=self.inbox,
-                           client_id=self.client, timeout_s=message.get("timeout"))
+                           client_id=self.client, timeout_s=message.get("timeout"),
+                           cache_salt=message.get("cache_salt"))
         self.client_ids[request_id], self.request_ids[client_id] = client_id, request_id
         self.samplings[request_id] = sampling
         self.send({"type": "start", "id": client_id})

@@ -4,8 +4,9 @@
     python -m bench.fuzz --url http://127.0.0.1:8311 --cases 10000      # a server that is already running
 
 Cases (bench.fuzzcases, seeded, reproducible with --seed; one case alone with --only N): REST bodies for every
-endpoint, WebSocket sessions of every frame type, raw HTTP byte streams. Beside them: a greedy WebSocket stream
-and a REST loop, each answer compared with its prompt answered alone at the start, and a /health prober.
+endpoint (POST /v1/responses among them), WebSocket sessions of every frame type on /ws and on /v1/responses,
+raw HTTP byte streams. Beside them: a greedy WebSocket stream and a REST loop, each answer compared with its
+prompt answered alone at the start, and a /health prober.
 Loopback only; bounded by --cases and --max-seconds.
 """
 import argparse
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fuzzcases import RestCase, WsSession, make_case
-from .fuzzexec import CaseResult, run_raw, run_rest, run_ws
+from .fuzzexec import PROTOCOLS, CaseResult, run_raw, run_rest, run_ws
 from .load import (REFERENCE_PROMPTS, CheckedTraffic, HealthProbe, Loop, References, check_rest_answer,
                    greedy_params, http_call, post_json, stream_greedy, take_references)
 from .server import ServerUnderTest, start_gunicorn
@@ -29,6 +30,7 @@ logger = logging.getLogger("bench.fuzz")
 
 EXAMPLES_PER_PROBLEM = 3
 MINIMIZE_AT_MOST = 40
+SOCKET_SURFACES = {protocol.surface for protocol in PROTOCOLS.values()}
 PROGRESS_EVERY = 1000  # problem signatures minimized after the run
 
 
@@ -53,7 +55,7 @@ class Findings:
             self.http_5xx += result.is_5xx
             self.closed_without_code += result.closed_without_code
             for kind, detail in result.problems:
-                target = result.target if result.surface != "ws" else _detail_class(detail)
+                target = result.target if result.surface not in SOCKET_SURFACES else _detail_class(detail)
                 self._add_problem((kind, target), index, case, result.description, detail)
 
     def _add_problem(self, signature, index, case, description, detail) -> None:
@@ -128,7 +130,7 @@ def _smaller_cases(case):
                            case.ascii_only)
     elif isinstance(case, WsSession) and len(case.frames) > 1:
         for frame in case.frames:
-            yield WsSession([frame])
+            yield WsSession([frame], case.protocol)
     yield case
 
 

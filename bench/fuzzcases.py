@@ -313,6 +313,7 @@ REST_BASES = {
                                          **valid_new_fields(rng, "/v1/chat/completions")},
     "/tokenize": lambda rng: {"prompt": rng.choice(BASE_PROMPTS)} if rng.random() < 0.7
     else {"messages": base_messages(rng)},
+    "/v1/responses": lambda rng: responses_body(rng),
 }
 
 
@@ -383,7 +384,8 @@ CONTENT_TYPES = [None, "text/plain", "application/x-www-form-urlencoded", "appli
                  "application/jsonx", "application/json, text/plain", "\x7f"]
 GET_PATHS = ["/health", "/ready", "/metrics", "/v1/models", "/", "/static/app.js", "/static/../app/api.py",
              "/nonexistent", "/v1/completions", "/ws", "/health?api_key=secret", "/v1/models?a=%ff%fe",
-             "/v1/models?" + "a" * 3000, "/%00", "/health/", "//health", "/v1/models/smollm2", "/tokenize"]
+             "/v1/models?" + "a" * 3000, "/%00", "/health/", "//health", "/v1/models/smollm2", "/tokenize",
+             "/v1/responses", "/v1/responses/resp_nobody", "/v1/responses/" + "a" * 300, "/v1/responses/%ff"]
 GET_METHODS = ["GET", "GET", "GET", "HEAD", "OPTIONS", "POST", "DELETE", "PUT", "PATCH"]
 
 
@@ -398,8 +400,9 @@ def rest_case(rng: random.Random) -> RestCase:
     if roll < 0.27:
         return RestCase("POST", path, base, content_type=rng.choice(CONTENT_TYPES))
     mutations = []
+    mutator = mutate_responses if path == "/v1/responses" else mutate
     for _ in range(mutation_count(rng)):
-        mutations.append(mutate(rng, apply(base, mutations)))
+        mutations.append(mutator(rng, apply(base, mutations)))
     return RestCase("POST", path, base, mutations, ascii_only=rng.random() < 0.8)
 
 
@@ -421,9 +424,10 @@ class WsFrame:
 @dataclass
 class WsSession:
     frames: list
+    protocol: str = "ws"  # "ws" (/ws) or "responses" (/v1/responses)
 
     def describe(self) -> str:
-        return " | ".join(frame.describe() for frame in self.frames)
+        return f"[{self.protocol}] " + " | ".join(frame.describe() for frame in self.frames)
 
 
 def ws_generate(rng: random.Random, request_id: str) -> dict:
@@ -480,13 +484,112 @@ def ws_protocol_frame(rng: random.Random) -> WsFrame:
 
 
 def ws_session(rng: random.Random) -> WsSession:
-    frames, sent_ids = [], []
+    sent_ids = []
+    return WsSession(_session_frames(rng, lambda index: ws_text_frame(rng, index, sent_ids)))
+
+
+def responses_ws_session(rng: random.Random) -> WsSession:
+    return WsSession(_session_frames(rng, lambda index: responses_text_frame(rng)), "responses")
+
+
+def _session_frames(rng: random.Random, text_frame) -> list:
+    """1-4 frames: the protocol's text frames (`text_frame(index)`), protocol-level oddities among them."""
+    frames = []
     for index in range(rng.choices([1, 2, 3, 4], weights=[40, 30, 20, 10])[0]):
-        frame = ws_protocol_frame(rng) if rng.random() < 0.18 else ws_text_frame(rng, index, sent_ids)
+        frame = ws_protocol_frame(rng) if rng.random() < 0.18 else text_frame(index)
         frames.append(frame)
         if frame.expect_close:
             break  # the socket ends there
-    return WsSession(frames)
+    return frames
+
+
+# -- issue 21: the Responses API (POST /v1/responses bodies, /v1/responses socket events) ------------------------
+
+RESPONSE_ROLES = ["user", "system", "developer", "assistant"]
+RESPONSE_PARTS = [[{"type": "input_text", "text": "Hi"}], [{"type": "output_text", "text": "Hello."}],
+                  [{"type": "output_text", "text": "Hi", "annotations": [], "logprobs": []}]]
+VALID_TEXT_FORMATS = [{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                      {"format": {"type": "json_schema", "name": "fuzz", "strict": True, "schema": {
+                          "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                          "additionalProperties": False}}}]
+RESPONSES_POOLS = {
+    "input": [None, "", [], {}, 5, [None], ["Hi"], [{"role": "user"}], [{"content": "Hi"}],
+              [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+              [{"type": "function_call_output", "call_id": "c", "output": "x"}], [{"role": "tool", "content": "x"}],
+              [{"role": "user", "content": [{"type": "input_text"}]}], [{"role": "user", "content": "Hi",
+                                                                          "extra": 1}],
+              Odd([{"role": "user", "content": "Hi"}] * 300, "[{user: Hi}] * 300"), _huge("a ", 450000)],
+    "text": [None, "json", {}, {"format": None}, {"format": {"type": "json"}}, {"format": {"type": "json_schema"}},
+             {"format": {"type": "json_schema", "name": "x", "schema": True}}, {"verbosity": "high"},
+             {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}],
+    "previous_response_id": ["", "resp_nobody", "a" * 129, 5, None, [], "\ud800"],
+    "instructions": [None, "", 5, [], "Be brief.", _huge("Be brief. ", 30000)],
+    "metadata": [{}, {"a": "b"}, {"a": 5}, [], "x", Odd({f"k{i}": "v" for i in range(17)}, "17 metadata pairs"),
+                 {"k" * 65: "v"}, {"k": "v" * 513}],
+    "store": [True, False, None, 1, "false"],
+    "tools": [[], [{"type": "web_search"}], [{"type": "function", "name": "f", "parameters": {}}], None, {}],
+    "tool_choice": ["none", "auto", "required", {"type": "function", "name": "f"}],
+    "truncation": ["disabled", "auto", None], "reasoning": [None, {}, {"effort": "low"}],
+    "include": [[], ["reasoning.encrypted_content"], None], "background": [False, True],
+    "max_output_tokens": MAX_TOKENS, "stream": [True, False, None, "yes"],
+    "stream_id": [None, "", "a" * 129, 5, "lane", ["a"]], "generate": [True, False, None, "no", 0],
+}
+RESPONSES_WS_TYPES = ["response.create", "response.steer", "response.cancel", "response.created", "RESPONSE.CREATE",
+                      "", None, 5, "session.update", "generate"]
+
+
+def responses_input(rng: random.Random):
+    """A string, or message items with string or part-list content in the four roles."""
+    if rng.random() < 0.5:
+        return rng.choice(BASE_PROMPTS)
+    items = [{"role": "user", "content": rng.choice(BASE_PROMPTS)}]
+    if rng.random() < 0.4:
+        items.insert(0, {"role": rng.choice(RESPONSE_ROLES[1:]), "content": rng.choice(RESPONSE_PARTS)})
+    if rng.random() < 0.3:
+        items[-1] = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+    return items
+
+
+def responses_body(rng: random.Random) -> dict:
+    body = {"model": "smollm2", "input": responses_input(rng), "max_output_tokens": rng.randint(1, SMALL_MAX_TOKENS)}
+    for name, value in rng.sample([("instructions", "Be brief."), ("temperature", 0), ("top_p", 0.9),
+                                   ("store", False), ("metadata", {"run": "fuzz"}), ("user", "fuzzer"),
+                                   ("seed", 3), ("tools", []), ("truncation", "disabled")], rng.randint(0, 2)):
+        body[name] = value
+    if rng.random() < 0.2:
+        body["text"] = rng.choice(VALID_TEXT_FORMATS)
+    return body
+
+
+def mutate_responses(rng: random.Random, body) -> Mutation:
+    """A Responses field with one of its own odd values, or any mutation the other surfaces get."""
+    if rng.random() < 0.5:
+        name = rng.choice(list(RESPONSES_POOLS))
+        return Mutation((name,), rng.choice(RESPONSES_POOLS[name]))
+    return mutate(rng, body)
+
+
+def responses_text_frame(rng: random.Random) -> WsFrame:
+    roll = rng.random()
+    if roll < 0.6:
+        body = {"type": "response.create", **responses_body(rng)}
+        if rng.random() < 0.3:
+            body["stream_id"] = rng.choice(["a", "b"])
+        if rng.random() < 0.1:
+            body["generate"] = False
+        for _ in range(mutation_count(rng)):
+            body = apply(body, [mutate_responses(rng, body)])
+        return WsFrame("text", body)
+    if roll < 0.72:
+        return WsFrame("text", {"type": rng.choice(RESPONSES_WS_TYPES), "input": "Hi"})
+    if roll < 0.8:
+        return WsFrame("text", {"type": "response.steer", "input": "x", "previous_response_id": "resp_x"})
+    if roll < 0.88:
+        return WsFrame("text", rng.choice([{}, {"type": "response.create"}, {"input": "Hi"},
+                                           {"type": "response.create", "response": {"input": "Hi"}}]))
+    return WsFrame("raw_text", rng.choice(["not json", "", "[]", "null", "{", "[" * 100000 + "]" * 100000,
+                                           "{\"type\": \"response.create\", \"input\": NaN}"]),
+                   label="(raw text)")
 
 
 # -- raw HTTP -----------------------------------------------------------------------------------------------------
@@ -585,6 +688,12 @@ def raw_case(rng: random.Random) -> RawCase:
                         [(_request("GET", "/ws", {**WS_HEADERS, "Host": "evil.example:8200",
                                                   "Origin": "http://evil.example:8200"}, close=False), 0)],
                         expect="403"),
+        lambda: RawCase("upgrade on /v1/responses from a foreign Origin",
+                        [(_request("GET", "/v1/responses", {**WS_HEADERS, "Origin": "http://evil.example"},
+                                   close=False), 0)], expect="403 JSON"),
+        lambda: RawCase("upgrade on /v1/responses without Sec-WebSocket-Key",
+                        [(_request("GET", "/v1/responses", _without(WS_HEADERS, "Sec-WebSocket-Key"), close=False),
+                          0)], expect="400 JSON"),
         lambda: RawCase("header value of 10 KB", [(_request("GET", "/health", {"X-Big": "a" * 10000}), 0)],
                         expect="431 (JSON)"),
         lambda: RawCase("header value of 100 KB", [(_request("GET", "/health", {"X-Big": "a" * 100000}), 0)],
@@ -638,7 +747,7 @@ def raw_case(rng: random.Random) -> RawCase:
 
 # -- the whole stream of cases ------------------------------------------------------------------------------------
 
-SURFACE_WEIGHTS = {"rest": 50, "ws": 33, "raw": 17}
+SURFACE_WEIGHTS = {"rest": 50, "ws": 24, "responses_ws": 12, "raw": 14}
 
 
 def case_rng(seed: int, index: int) -> random.Random:
@@ -648,4 +757,4 @@ def case_rng(seed: int, index: int) -> random.Random:
 def make_case(seed: int, index: int):
     rng = case_rng(seed, index)
     surface = rng.choices(list(SURFACE_WEIGHTS), weights=list(SURFACE_WEIGHTS.values()))[0]
-    return {"rest": rest_case, "ws": ws_session, "raw": raw_case}[surface](rng)
+    return {"rest": rest_case, "ws": ws_session, "responses_ws": responses_ws_session, "raw": raw_case}[surface](rng)

@@ -9,11 +9,13 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import websocket
 
 from .fuzzcases import RawCase, RestCase, WsFrame, WsSession, encode_body
-from .load import close_quietly, has_error_shape, http_call, ws_connect, ws_read_until
+from .load import (ERROR_KEYS, RESPONSES_FINAL, close_quietly, has_error_shape, http_call, responses_ws_url,
+                   ws_connect, ws_read_until)
 
 REST_TIMEOUT_S = 120.0
 WS_TIMEOUT_S = 120.0
@@ -23,9 +25,13 @@ RAW_TIMEOUT_S = 10.0
 PROBE_ID = "__probe__"
 SERVER_FAULT_CODES = {"worker_failed", "internal_error", "server_error", "not_ready"}
 SUCCESS_KEYS = {"/basic_generate": "generated_text", "/generate": "generated_texts", "/v1/completions": "choices",
-                "/v1/chat/completions": "choices", "/tokenize": "tokens"}
+                "/v1/chat/completions": "choices", "/tokenize": "tokens", "/v1/responses": "output"}
 # The contract's four, plus "ready": the answer to an auth frame (issue 9 moved the socket's key out of the URL).
 WS_MESSAGE_TYPES = {"start", "delta", "done", "error", "ready"}
+RESPONSES_EVENT_TYPES = {"response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                         "response.content_part.done", "response.output_item.done", *RESPONSES_FINAL, "error"}
+FRAME_TYPES = ("generate", "cancel", "auth", "response.create", "response.steer")
 
 
 @dataclass
@@ -106,16 +112,18 @@ def _asks_logprobs(body: dict, path: str) -> bool:
 # -- WebSocket ----------------------------------------------------------------------------------------------------
 
 def run_ws(url: str, session: WsSession) -> CaseResult:
-    result = CaseResult("ws", " + ".join(f.kind if f.kind != "text" else _frame_type(f) for f in session.frames),
-                        "", session.describe())
+    """`url` is the server's /ws; a Responses session goes to /v1/responses beside it."""
+    protocol = PROTOCOLS[session.protocol]
+    result = CaseResult(protocol.surface, " + ".join(f.kind if f.kind != "text" else _frame_type(f)
+                                                     for f in session.frames), "", session.describe())
     try:
-        ws = ws_connect(url, timeout=30)
+        ws = ws_connect(protocol.url_of(url), timeout=30)
     except (OSError, websocket.WebSocketException) as exc:
         result.observed = "handshake failed"
         result.problem("ws_handshake_failed", repr(exc))
         return result
     try:
-        _run_session(ws, session, result)
+        _run_session(ws, session, protocol, result)
     finally:
         close_quietly(ws)
     return result
@@ -124,17 +132,18 @@ def run_ws(url: str, session: WsSession) -> CaseResult:
 def _frame_type(frame: WsFrame) -> str:
     payload = frame.payload
     kind = payload.get("type") if isinstance(payload, dict) else None
-    return kind if kind in ("generate", "cancel", "auth") else "other"
+    return kind if kind in FRAME_TYPES else "other"
 
 
-def _run_session(ws, session: WsSession, result: CaseResult) -> None:
+def _run_session(ws, session: WsSession, protocol: "SocketProtocol", result: CaseResult) -> None:
     frames = _frames_until_close(session.frames)
     expected_close = _expected_close(frames[-1])
     send_failed = _send_frames(ws, frames)
     if expected_close is None and not send_failed:
-        send_failed = _send_frames(ws, [WsFrame("text", {"type": "cancel", "id": PROBE_ID})])
-    tracker = _SessionTracker(expect_probe=expected_close is None and not send_failed)
+        send_failed = _send_frames(ws, [WsFrame("text", protocol.probe)])
+    tracker = protocol.tracker(expect_probe=expected_close is None and not send_failed)
     read = ws_read_until(ws, tracker.is_complete, WS_TIMEOUT_S if tracker.expect_probe else CLOSE_WAIT_S)
+    protocol.check_messages(read.messages, result)
     _judge_session(read, tracker, expected_close, send_failed, result)
 
 
@@ -220,11 +229,29 @@ class _SessionTracker:
         elif kind in ("done", "error"):
             self.running.discard(request_id)
             self.probe_answered |= request_id == PROBE_ID
+        return self._is_done()
+
+    def _is_done(self) -> bool:
         return self.probe_answered and not self.running if self.expect_probe else False
 
 
+class _ResponsesTracker(_SessionTracker):
+    """The same for /v1/responses: a response runs from response.created to its final event; the probe's error
+    names its lane (stream_id)."""
+
+    def is_complete(self, message: dict) -> bool:
+        kind, response = message.get("type"), message.get("response")
+        response_id = response.get("id") if isinstance(response, dict) else None
+        if kind == "response.created":
+            self.running.add(response_id)
+        elif kind in RESPONSES_FINAL:
+            self.running.discard(response_id)
+        elif kind == "error":
+            self.probe_answered |= message.get("stream_id") == PROBE_ID
+        return self._is_done()
+
+
 def _judge_session(read, tracker: _SessionTracker, expected_close, send_failed: bool, result: CaseResult) -> None:
-    _check_messages(read.messages, result)
     if read.ended == "close":
         result.observed = f"close {read.close_code}"
         if expected_close is None:
@@ -248,13 +275,16 @@ def _judge_session(read, tracker: _SessionTracker, expected_close, send_failed: 
         result.problem("ws_closed_without_code", f"{read.ended}; expected close {expected_close or '(none)'}")
 
 
-def _check_messages(messages: list, result: CaseResult) -> None:
+def _check_messages(messages: list, result: CaseResult, known_types=WS_MESSAGE_TYPES, check_error=None) -> None:
+    """Every message is of a type the protocol has, every error well-shaped; a failed response is no server fault."""
     for message in messages:
         kind = message.get("type") if isinstance(message, dict) else None
-        if kind not in WS_MESSAGE_TYPES:
+        if kind not in known_types:
             result.problem("ws_unknown_message", repr(message)[:200])
         elif kind == "error":
-            _check_error_frame(message, result)
+            (check_error or _check_error_frame)(message, result)
+        elif kind == "response.failed" and _failure_code(message) in SERVER_FAULT_CODES:
+            result.problem("ws_server_fault", f"response.failed: {str(message.get('response'))[:200]}")
 
 
 def _check_error_frame(message: dict, result: CaseResult) -> None:
@@ -264,6 +294,43 @@ def _check_error_frame(message: dict, result: CaseResult) -> None:
         result.problem("ws_error_shape", repr(message)[:200])
     if code in SERVER_FAULT_CODES and message.get("id") != PROBE_ID:
         result.problem("ws_server_fault", f"{code}: {str(message.get('message'))[:200]}")
+
+
+def _check_responses_error(message: dict, result: CaseResult) -> None:
+    """{"type": "error", "status", "error": {"type", "code", "message", "param"}}, as OpenAI sends it."""
+    error = message.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    result.error_codes.append(str(code))
+    if not isinstance(error, dict) or not ERROR_KEYS <= set(error) or not isinstance(code, str) \
+            or not isinstance(message.get("status"), int):
+        result.problem("ws_error_shape", repr(message)[:200])
+    if code in SERVER_FAULT_CODES and message.get("stream_id") != PROBE_ID:
+        result.problem("ws_server_fault", f"{code}: {str(error.get('message'))[:200]}")
+
+
+def _failure_code(message: dict):
+    response = message.get("response")
+    error = response.get("error") if isinstance(response, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+@dataclass(frozen=True)
+class SocketProtocol:
+    """What a fuzz session needs to know of a socket protocol: where, its probe, how to follow and check it."""
+    surface: str
+    url_of: Callable[[str], str]  # from the server's /ws URL
+    probe: dict  # a frame that must get an error naming PROBE_ID, and leaves the socket usable
+    tracker: type
+    check_messages: Callable[[list, CaseResult], None]
+
+
+PROTOCOLS = {
+    "ws": SocketProtocol("ws", lambda url: url, {"type": "cancel", "id": PROBE_ID}, _SessionTracker,
+                         _check_messages),
+    "responses": SocketProtocol("responses_ws", responses_ws_url, {"type": "response.probe", "stream_id": PROBE_ID},
+                                _ResponsesTracker, lambda messages, result: _check_messages(
+                                    messages, result, RESPONSES_EVENT_TYPES, _check_responses_error)),
+}
 
 
 # -- raw HTTP -----------------------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ REFERENCE_PROMPTS = (
     "The three primary colors are",
 )
 CHAT_REFERENCE = [{"role": "user", "content": "Name three fruits."}]
+# Issue 21: Responses conversations (REST and socket), a first turn and a follow-up that continues it.
+RESPONSES_PATH = "/v1/responses"
+RESPONSES_PROMPTS = REFERENCE_PROMPTS[:4]
+FOLLOW_UP = "Now say it in French."  # its answers differ per prompt and from the first turns (checked)
+RESPONSES_FINAL = ("response.completed", "response.incomplete", "response.failed")
 ERROR_KEYS = {"message", "type", "param", "code"}
 # The server admits fairly per client address: the checked traffic comes from a loopback address of its own, so
 # it is a second client beside the fuzz (Linux routes all of 127/8 to lo), as a real user beside an abuser would be.
@@ -188,14 +193,20 @@ class References:
     by_prompt: dict[str, str]
     chat: str
     exact: bool = True  # float32: any difference is a failure; bfloat16: a difference may be batch drift
+    responses: dict[str, str] = field(default_factory=dict)  # prompt -> its first turn on /v1/responses
+    follow_ups: dict[str, str] = field(default_factory=dict)  # prompt -> FOLLOW_UP's answer after that turn
 
-    def verdict(self, prompt: str, text: str | None) -> str:
-        """ok, cross_delivered (another prompt's answer), mismatch, or drift (a mismatch on a bf16 server)."""
-        if text == self.by_prompt.get(prompt):
+    def verdict(self, prompt: str, text: str | None, table: dict | None = None) -> str:
+        """ok, cross_delivered (another request's answer), mismatch, or drift (a mismatch on a bf16 server).
+        `table` is the kind's own references (the short prompts' by default)."""
+        if text == (self.by_prompt if table is None else table).get(prompt):
             return "ok"
-        if text in self.by_prompt.values():
+        if text in self.every_answer():
             return "cross_delivered"
         return "mismatch" if self.exact else "drift"
+
+    def every_answer(self) -> list[str]:
+        return [*self.by_prompt.values(), self.chat, *self.responses.values(), *self.follow_ups.values()]
 
 
 def greedy_params(tokens: int = GREEDY_TOKENS) -> dict:
@@ -222,6 +233,37 @@ def take_references(host: str, port: int, prompts=REFERENCE_PROMPTS) -> Referenc
         raise RuntimeError(f"chat reference failed: {chat.status} {chat.body[:200]!r}")
     return References(answers, chat.json()["choices"][0]["message"]["content"],
                       exact=server_dtype(host, port) == "float32")
+
+
+def responses_greedy(tokens: int = GREEDY_TOKENS) -> dict:
+    return {"max_output_tokens": tokens, "temperature": 0, "ignore_eos": True}
+
+
+def response_text(response) -> str | None:
+    """The text of a response object's message (what the SDK calls output_text)."""
+    try:
+        return "".join(part["text"] for item in response["output"] if item.get("type") == "message"
+                       for part in item["content"] if part.get("type") == "output_text")
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def take_responses_references(host: str, port: int, refs: References) -> None:
+    """Each Responses prompt's first turn and its follow-up (previous_response_id, from the store), alone."""
+    for prompt in RESPONSES_PROMPTS:
+        first = _responses_alone(host, port, {"input": prompt})
+        follow_up = _responses_alone(host, port, {"input": FOLLOW_UP, "previous_response_id": first["id"]})
+        refs.responses[prompt], refs.follow_ups[prompt] = response_text(first), response_text(follow_up)
+    answers = refs.every_answer()
+    if len(set(answers)) != len(answers):
+        raise RuntimeError(f"reference answers are not distinct, a cross-delivery could pass unseen: {answers}")
+
+
+def _responses_alone(host: str, port: int, body: dict) -> dict:
+    outcome = post_json(host, port, RESPONSES_PATH, {**body, **responses_greedy()})
+    if outcome.status != 200:
+        raise RuntimeError(f"Responses reference for {body!r} failed: {outcome.status} {outcome.body[:200]!r}")
+    return outcome.json()
 
 
 # -- checked traffic beside the fuzz / soak ----------------------------------------------------------------------
@@ -271,12 +313,26 @@ class CheckedTraffic:
 
 
 def check_rest_answer(traffic: CheckedTraffic, refs: References, kind: str, prompt: str,
-                      outcome: HttpOutcome, key: str = "generated_text") -> None:
+                      outcome: HttpOutcome, text_of=lambda body: body.get("generated_text"),
+                      table: dict | None = None) -> None:
+    """A 200 whose text (`text_of` the body) is `prompt`'s reference in `table` (the short prompts' by default)."""
     if outcome.status != 200:
         traffic.record_failure(kind, f"status {outcome.status or outcome.failure}: {outcome.body[:200]!r}")
         return
-    text = (outcome.json() or {}).get(key)
-    traffic.record_answer(kind, refs.verdict(prompt, text), outcome.elapsed_s, f"{prompt!r} got {text!r}")
+    text = text_of(outcome.json() or {})
+    traffic.record_answer(kind, refs.verdict(prompt, text, table), outcome.elapsed_s, f"{prompt!r} got {text!r}")
+
+
+def responses_rest_conversation(host: str, port: int, prompt: str, refs: References,
+                                traffic: CheckedTraffic) -> None:
+    """Two turns over POST /v1/responses, the second continuing the stored first: each its own reference."""
+    first = post_json(host, port, RESPONSES_PATH, {"input": prompt, **responses_greedy()}, timeout=300)
+    check_rest_answer(traffic, refs, "responses", prompt, first, response_text, refs.responses)
+    if first.status != 200:
+        return
+    follow_up = post_json(host, port, RESPONSES_PATH, {"input": FOLLOW_UP, "store": False, **responses_greedy(),
+                                                       "previous_response_id": first.json()["id"]}, timeout=300)
+    check_rest_answer(traffic, refs, "responses", prompt, follow_up, response_text, refs.follow_ups)
 
 
 def stream_greedy(ws_url: str, prompts, refs: References, traffic: CheckedTraffic, tag: str,
@@ -331,6 +387,65 @@ def _finished_one(message: dict, pending: set) -> bool:
     if message.get("type") in ("done", "error"):
         pending.discard(message.get("id"))
     return not pending
+
+
+def responses_ws_url(ws_url: str) -> str:
+    return ws_url.removesuffix("/ws") + RESPONSES_PATH
+
+
+def responses_socket_conversation(ws_url: str, prompts, refs: References, traffic: CheckedTraffic,
+                                  timeout: float = 300.0) -> None:
+    """One /v1/responses socket, one lane (stream_id) per prompt, all at once; each lane's follow-up continues
+    its first turn by previous_response_id (the socket's own memory: store false). Every turn's streamed text
+    must be its own reference."""
+    ws = ws_connect(responses_ws_url(ws_url), timeout=timeout, source=CHECKED_CLIENT_ADDRESS)
+    try:
+        conversation = _SocketConversation(ws, dict(zip((f"lane{i}" for i in range(len(prompts))), prompts)), refs,
+                                           traffic)
+        result = ws_read_until(ws, conversation.on_event, timeout)
+        for lane in conversation.pending:
+            traffic.record_failure("responses_ws", f"lost: no final event on {lane} (socket {result.ended}, "
+                                                   f"close code {result.close_code})")
+    finally:
+        close_quietly(ws)
+
+
+class _SocketConversation:
+    def __init__(self, ws, prompts: dict, refs: References, traffic: CheckedTraffic):
+        self.ws, self.prompts, self.refs, self.traffic = ws, prompts, refs, traffic
+        self.pending = set(prompts)
+        self.texts = {lane: "" for lane in prompts}
+        self.tables = {lane: refs.responses for lane in prompts}  # the turn each lane is on
+        self.started = time.perf_counter()
+        for lane, prompt in prompts.items():
+            self._create(lane, {"input": prompt})
+
+    def _create(self, lane: str, body: dict) -> None:
+        self.ws.send(json.dumps({"type": "response.create", "stream_id": lane, "store": False, **body,
+                                 **responses_greedy()}))
+
+    def on_event(self, event: dict) -> bool:
+        lane, kind = event.get("stream_id"), event.get("type")
+        if lane not in self.pending:
+            self.traffic.record_failure("responses_ws", f"an event for no lane of ours: {str(event)[:200]}")
+        elif kind == "response.output_text.delta":
+            self.texts[lane] += event.get("delta", "")
+        elif kind == "error":
+            self.traffic.record_failure("responses_ws", f"error {event.get('error')}"[:300])
+            self.pending.discard(lane)
+        elif kind in RESPONSES_FINAL:
+            self._finish_turn(lane, event["response"])
+        return not self.pending
+
+    def _finish_turn(self, lane: str, response: dict) -> None:
+        prompt, text = self.prompts[lane], self.texts[lane]
+        self.traffic.record_answer("responses_ws", self.refs.verdict(prompt, text, self.tables[lane]),
+                                   time.perf_counter() - self.started, f"{lane} {prompt!r} got {text!r}")
+        if self.tables[lane] is self.refs.follow_ups:
+            self.pending.discard(lane)
+            return
+        self.texts[lane], self.tables[lane] = "", self.refs.follow_ups
+        self._create(lane, {"input": FOLLOW_UP, "previous_response_id": response.get("id")})
 
 
 # -- background loops -----------------------------------------------------------------------------------------------

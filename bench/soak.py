@@ -4,7 +4,8 @@
     python -m bench.soak --minutes 1 --long-tokens 1500         # the short mode the test suite runs
 
 Load, all at once: WebSocket streams (several per socket; some cancelled mid-stream, some sockets dropped
-abruptly), /basic_generate, /generate, /v1/chat/completions, a long prompt every --long-every-s seconds, fuzz
+abruptly), /basic_generate, /generate, /v1/chat/completions, Responses conversations (two turns over POST
+/v1/responses; two lanes of two turns on one /v1/responses socket), a long prompt every --long-every-s seconds, fuzz
 cases (bench.fuzzcases) mixed in, and a /health prober. The server runs with LOCKSTEP_WEIGHTS=exact (float32
 on the 4-bit kernels, every row computed alike, the prefix cache on) so that a greedy answer does not depend on
 the batch it shared or on the cached prefix it resumed from: every answer must equal its prompt's answer taken alone
@@ -28,9 +29,10 @@ from pathlib import Path
 
 from .fuzz import Findings, RestartBaseline, run_case, worker_restarts
 from .fuzzcases import make_case
-from .load import (CHAT_REFERENCE, CHECKED_CLIENT_ADDRESS, REFERENCE_PROMPTS, CheckedTraffic, CpuBurner,
-                   HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms, post_json,
-                   take_references, texts_and_finals, ws_connect, ws_read_until)
+from .load import (CHAT_REFERENCE, CHECKED_CLIENT_ADDRESS, REFERENCE_PROMPTS, RESPONSES_PROMPTS, CheckedTraffic,
+                   CpuBurner, HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms,
+                   post_json, responses_rest_conversation, responses_socket_conversation, take_references,
+                   take_responses_references, texts_and_finals, ws_connect, ws_read_until)
 from .server import ServerUnderTest, start_gunicorn
 
 logger = logging.getLogger("bench.soak")
@@ -83,8 +85,9 @@ class Soak:
     # -- set-up ---------------------------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """References alone (short prompts, chat, the long prompt), before any load."""
+        """References alone (short prompts, chat, Responses turns, the long prompt), before any load."""
         self.refs = take_references(self.server.host, self.server.port)
+        take_responses_references(self.server.host, self.server.port, self.refs)
         if self.config.long_tokens:
             self.long_prompt = self._long_prompt(self.config.long_tokens)
             outcome = post_json(self.server.host, self.server.port, "/basic_generate",
@@ -106,9 +109,9 @@ class Soak:
 
     # -- one round of each kind of load -----------------------------------------------------------------------------
 
-    def _pick(self, k: int) -> list[str]:
+    def _pick(self, k: int, prompts=REFERENCE_PROMPTS) -> list[str]:
         with self.rng_lock:
-            return self.rng.sample(REFERENCE_PROMPTS, k)
+            return self.rng.sample(prompts, k)
 
     def _roll(self) -> float:
         with self.rng_lock:
@@ -204,9 +207,15 @@ class Soak:
             self.traffic.record_failure("chat", f"status {outcome.status or outcome.failure}: {outcome.body[:200]!r}")
             return
         text = outcome.json()["choices"][0]["message"]["content"]
-        verdict = "ok" if text == self.refs.chat else "cross_delivered" if text in self.refs.by_prompt.values() \
-            else "mismatch" if self.refs.exact else "drift"
+        verdict = self.refs.verdict("chat", text, {"chat": self.refs.chat})
         self.traffic.record_answer("chat", verdict, outcome.elapsed_s, f"chat got {text!r}")
+
+    def responses_round(self) -> None:
+        responses_rest_conversation(self.server.host, self.server.port, self._pick(1, RESPONSES_PROMPTS)[0],
+                                    self.refs, self.traffic)
+
+    def responses_socket_round(self) -> None:
+        responses_socket_conversation(self.server.ws_url, self._pick(2, RESPONSES_PROMPTS), self.refs, self.traffic)
 
     def long_round(self) -> None:
         self.events["long_prompts"] += 1
@@ -231,6 +240,8 @@ class Soak:
         loops += [Loop("basic", self.basic_round, self.stop, 0.2), Loop("batch", self.batch_round, self.stop, 0.5),
                   Loop("chat", self.chat_round, self.stop, 0.5), Loop("odd", self.odd_round, self.stop,
                                                                        self.config.odd_pause_s),
+                  Loop("responses", self.responses_round, self.stop, 0.5),
+                  Loop("responses-ws", self.responses_socket_round, self.stop, 0.2),
                   Loop("sampler", lambda: self.samples.take(self.server), self.stop, SAMPLE_EVERY_S)]
         if self.config.long_tokens:
             loops.append(Loop("long", self.long_round, self.stop, self.config.long_every_s))

@@ -99,14 +99,6 @@ def smol_server(smol_model_dir):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def served_smol_server(smol_model_dir):
-    """The live server on the embedded model as `make serve` runs it (dtype auto: its fast path on this host)."""
-    server = start_live_server(smol_model_dir, dtype="auto", threads=0)
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def client(server):
     """A real WebSocket client on the module's `server`."""

@@ -255,10 +255,10 @@ def test_a_bug_while_starting_a_request_is_an_error_frame(server, client, monkey
 
 
 def test_broken_pipe_on_send_ends_the_session_and_cancels(server, monkeypatch, caplog):
-    from app.ws import LockstepSocket
+    from simple_websocket import Server  # the socket flask-sock gives the route
 
     scheduler = server.state.engine.scheduler
-    real_send, sent = LockstepSocket.send, []
+    real_send, sent = Server.send, []
 
     def send_then_break(self, data):  # fault injection: the third frame hits a broken pipe
         sent.append(data)
@@ -266,7 +266,7 @@ def test_broken_pipe_on_send_ends_the_session_and_cancels(server, monkeypatch, c
             raise BrokenPipeError(32, "Broken pipe")
         return real_send(self, data)
 
-    monkeypatch.setattr(LockstepSocket, "send", send_then_break)
+    monkeypatch.setattr(Server, "send", send_then_break)
     ws = WsClient(server.ws_url)
     ws.generate("a", prompt="Hello", max_tokens=250, ignore_eos=True)
     wait_until(lambda: len(sent) >= 3)

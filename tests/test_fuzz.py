@@ -1,5 +1,5 @@
-"""A bounded run of bench.fuzz in the suite: a few hundred generated cases (REST bodies, WebSocket sessions, raw
-HTTP) against the real gunicorn, with a checked greedy stream, a checked REST loop and a /health prober beside it.
+"""A bounded run of bench.fuzz in the suite: a few hundred generated cases (REST bodies, /ws and /v1/responses
+WebSocket sessions, raw HTTP) against the real gunicorn, with a checked greedy stream, a checked REST loop and a /health prober beside it.
 
 The server is gunicorn (not werkzeug) because raw HTTP parsing, slow clients and worker forks are gunicorn's and
 the fork count is read from its log. weights=exact (float32 on the 4-bit kernels, the prefix cache on), so a
@@ -32,7 +32,7 @@ def problems(report, *kinds) -> list:
 
 def test_every_case_ran_within_the_time_bound(report):
     assert report["cases_total"] == CASES
-    assert set(report["cases"]) == {"rest", "ws", "raw"}
+    assert set(report["cases"]) == {"rest", "ws", "responses_ws", "raw"}
 
 
 def test_no_5xx(report):

@@ -18,8 +18,8 @@ NO_EOS = {"extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def server(served_smol_server):
-    return served_smol_server
+def server(smol_server):
+    return smol_server
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ EVENTS = ["response.created", "response.in_progress", "response.output_item.adde
 
 
 @pytest.fixture(scope="module")
-def server(served_smol_server):
-    return served_smol_server
+def server(smol_server):
+    return smol_server
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def test_every_answer_was_delivered_to_its_own_request(soak):
 
 def test_no_well_formed_request_failed(soak):
     assert soak["failed_well_formed"] == 0, soak["failures"]
-    assert {"ws", "basic_generate", "generate", "chat", "long"} <= set(soak["requests_ok"])
+    assert {"ws", "basic_generate", "generate", "chat", "long", "responses", "responses_ws"} <= set(soak["requests_ok"])
 
 
 def test_no_model_worker_restart(soak):

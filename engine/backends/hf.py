@@ -48,7 +48,7 @@ from ..config import EngineConfig
 from ..hardware import choose_dtype, detect_host
 from ..memory import release_freed_memory
 from ..model_store import gguf_of
-from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob
+from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
@@ -148,6 +148,27 @@ class HFBackend(Backend):
                     self.prefill_chunk_tokens, "slot" if self.slot_attention else "the model's own",
                     self._forward_name(), "on" if self.batch_invariant else "off")
         logger.info("compute chosen for %s", self.info.compute_reason)
+        self._warm_up()
+
+    @property
+    def chunks_compute_alike(self) -> bool:
+        """Whether a prompt's numbers do not depend on how it is chunked (the 4-bit path computes a chunk as decode
+        steps): then chunks may follow the clock, and a prompt may resume from cached blocks."""
+        return self.fast_decoder is not None and self.fast_decoder.q4 is not None
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """A short prompt and a decode step before the worker says it is ready: the kernels' helper threads, their
+        scratch memory and the allocator's pools then exist, so the first request is as fast as the next."""
+        if self.fast_decoder is None:
+            return
+        request = NewRequest("warm-up", tuple(range(1, 9)), WorkerSampling(max_tokens=2))
+        for new, finished in (((request,), ()), ((), ()), ((), ("warm-up",))):
+            self.step(new, finished)
+        self.seconds_per_cost_unit, self.skipped_decode = None, False  # an 8-token chunk says nothing of a real one
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache.queried_tokens = self.prefix_cache.hit_tokens = 0
 
     def _q4(self, config: EngineConfig, gguf: str | None, host,
             exact: bool) -> tuple[Q4Kernels, Q4Weights] | None:
@@ -172,10 +193,9 @@ class HFBackend(Backend):
         return kernels, weights
 
     def _prefix_cache(self, config: EngineConfig) -> PrefixCache | None:
-        """Only where a prompt resumed from cached keys and values computes what it would from scratch: the
-        4-bit path computes chunks as decode steps (elsewhere chunk boundaries change the rounding)."""
-        on_4_bits = self.fast_decoder is not None and self.fast_decoder.q4 is not None
-        if not config.prefix_cache or not on_4_bits:
+        """Only where a prompt resumed from cached keys and values computes what it would from scratch (elsewhere
+        chunk boundaries change the rounding)."""
+        if not config.prefix_cache or not self.chunks_compute_alike:
             logger.info("prefix cache off: %s", "configured" if not config.prefix_cache else
                         "exact only on the 4-bit path, where chunking does not change the numbers")
             return None
@@ -336,11 +356,11 @@ class HFBackend(Backend):
         return first_token_ids
 
     def _chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
-        """Batch-invariant: the prompt's own plan, whatever else runs (a step's budget and time decide how
-        many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the largest chunks
+        """Batch-invariant where chunking changes the numbers: the prompt's own plan, whatever else runs (a step's
+        budget and time decide how many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the largest chunks
         the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
         earlier chunks cost per unit (see `_cost_units`)."""
-        if self.batch_invariant:
+        if self.batch_invariant and not self.chunks_compute_alike:
             return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens,
                                       INVARIANT_CHUNK_UNITS)
         if not self.rows:
