@@ -74,7 +74,7 @@ def post_worker_init(worker):
 
 
 def _stop_when_idle(state, gunicorn_stop, signum):
-    if not state.engine.scheduler.wait_idle(DRAIN_TIMEOUT_S):
+    if not state.engine.wait_idle(DRAIN_TIMEOUT_S):
         logging.getLogger("lockstep.drain").warning("drain timeout: stopping with requests still running")
     gunicorn_stop(signum, None)
 

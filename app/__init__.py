@@ -4,7 +4,7 @@ import logging
 from flask import Flask
 
 from engine import BackendUnavailable, EngineConfig, LLMEngine, WorkerFailed
-from engine.model_store import ModelNotFound
+from engine import ModelNotFound
 
 from . import api, openapi, ops, pages, responses, responses_ws, sockets, ws
 from .errors import register_error_handlers

@@ -11,8 +11,7 @@ import uuid
 
 from flask import Blueprint, g, jsonify, request
 
-from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams
-from engine.sequence import Usage
+from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage
 
 from .choices import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output

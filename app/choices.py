@@ -6,8 +6,7 @@ The numbers are the model's own distribution (see engine/backends/sampler.py). A
 UTF-8 character shows U+FFFD in `token`; `bytes` are exact.
 """
 from engine import RequestOutput, SamplingParams
-from engine.detokenizer import TokenTexts
-from engine.messages import TokenLogprob
+from engine import TokenLogprob, TokenTexts
 
 
 def chat_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> list[dict]:

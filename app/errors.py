@@ -5,8 +5,8 @@ from flask import jsonify
 from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
-from engine.errors import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
-                           RequestFailed, WorkerBusy, WorkerFailed)
+from engine import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
+                    RequestFailed, WorkerBusy, WorkerFailed)
 
 logger = logging.getLogger(__name__)
 

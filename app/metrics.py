@@ -3,7 +3,7 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.scheduler import RequestObserver
+from engine import RequestObserver
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)
@@ -41,8 +41,8 @@ class ServerMetrics(RequestObserver):
         self._prefix_cache_on = lambda: False
 
     def bind(self, engine) -> None:
-        self.running.set_function(lambda: engine.scheduler.num_running)
-        self.waiting.set_function(lambda: engine.scheduler.num_waiting)
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
         self.ready.set_function(lambda: 1.0 if engine.is_ready else 0.0)
         self._prefix_cache_on = lambda: engine.info is not None and engine.info.prefix_cache
 

@@ -6,10 +6,8 @@ they list what is always there. tests/test_openapi.py runs schemathesis against 
 """
 from flask import Blueprint, jsonify
 
-from engine.backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
-from engine.engine import MAX_CACHE_SALT_CHARS
-from engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED,
-                             MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
+from engine import (MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY,
+                    MAX_SCHEMA_NAME_LENGTH, MAX_SEED, MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
 
 from . import responses
 from . import schema as shapes

@@ -12,8 +12,7 @@ from typing import Callable
 
 from flask import Blueprint, jsonify, request
 
-from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams
-from engine.inputs import check_encodable
+from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams, check_encodable
 
 from .api import run_one
 from .errors import ApiError, invalid_value, missing_field, unsupported_field

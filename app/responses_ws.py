@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from flask import Blueprint
 from simple_websocket import Server
 
-from engine import EngineError, FinishReason, RequestOutput
-from engine.sequence import DeltaEvent
+from engine import DeltaEvent, EngineError, FinishReason, RequestOutput
 
 from .api import client_address
 from .errors import INVALID_VALUE, ApiError, from_engine_error, invalid_value, unsupported_field

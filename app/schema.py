@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 
 from flask import current_app, request
 
-from engine import InvalidRequest, SamplingParams
-from engine.inputs import check_encodable
+from engine import InvalidRequest, SamplingParams, check_encodable
 
 from .errors import BODY_READ_ERRORS, ApiError, invalid_value, missing_field, unsupported_field
 

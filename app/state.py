@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from flask import current_app
 
-from engine import EngineConfig, LLMEngine
-from engine.sampling import MAX_STOP_LENGTH
+from engine import MAX_STOP_LENGTH, EngineConfig, LLMEngine
 
 from .metrics import ServerMetrics
 from .response_store import ResponseStore

@@ -11,8 +11,7 @@ from flask import Blueprint, g
 from simple_websocket import Server
 from wsproto.frame_protocol import CloseReason
 
-from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams
-from engine.sequence import DeltaEvent
+from engine import DeltaEvent, FinishReason, InvalidRequest, RequestOutput, SamplingParams
 
 from .api import client_address
 from .choices import chat_logprob_content

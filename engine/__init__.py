@@ -1,17 +1,26 @@
-"""lockstep's engine: a thread-safe front to one forked model worker.
+"""lockstep's engine: a thread-safe front to one forked model worker. The app imports only from here.
 
     engine = LLMEngine(EngineConfig(model="smollm2")).start()
     for text in engine.submit("Hello", SamplingParams(max_tokens=32)):
         ...
 """
+from .backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
 from .config import EngineConfig
-from .engine import LLMEngine, RequestHandle
-from .errors import (BackendUnavailable, CorrelationMismatch, EngineError, InvalidRequest, NotReady,
-                     Overloaded, PromptTooLong, WorkerFailed)
-from .messages import FinishReason
-from .sampling import SamplingParams
-from .sequence import RequestOutput
+from .detokenizer import TokenTexts
+from .engine import MAX_CACHE_SALT_CHARS, LLMEngine, RequestHandle
+from .errors import (BackendUnavailable, CorrelationMismatch, DeadlineExceeded, EngineError, InvalidRequest, NotReady,
+                     Overloaded, PromptTooLong, RequestFailed, WorkerBusy, WorkerFailed)
+from .inputs import check_encodable
+from .messages import FinishReason, TokenLogprob
+from .model_store import ModelNotFound
+from .sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_STOP_LENGTH,
+                       REPETITION_PENALTY_RANGE, SamplingParams)
+from .scheduler import RequestObserver
+from .sequence import DeltaEvent, RequestOutput, Usage
 
-__all__ = ["BackendUnavailable", "CorrelationMismatch", "EngineConfig", "EngineError", "FinishReason",
-           "InvalidRequest", "LLMEngine", "NotReady", "Overloaded", "PromptTooLong", "RequestHandle",
-           "RequestOutput", "SamplingParams", "WorkerFailed"]
+__all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "DeltaEvent", "EngineConfig",
+           "EngineError", "FinishReason", "InvalidRequest", "LLMEngine", "MAX_CACHE_SALT_CHARS", "MAX_LOGIT_BIAS",
+           "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
+           "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptTooLong", "REPETITION_PENALTY_RANGE",
+           "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput", "SamplingParams", "TokenLogprob",
+           "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed", "check_encodable"]

@@ -3,6 +3,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from .hardware import available_cores
+
 DEFAULT_MODEL = "smollm2"
 BACKENDS = ("hf", "vllm", "auto")
 POLICIES = ("continuous", "static", "none")
@@ -109,7 +111,7 @@ class EngineConfig:
     def num_threads(self) -> int:
         """Leave one core to the server process: torch's spinning threads stall badly when they must share
         every core (measured: 64 tokens 4 s idle, 20-29 s beside two busy processes; one thread: 6 s and 8 s)."""
-        return self.threads or max(1, (os.cpu_count() or 1) - 1)
+        return self.threads or max(1, available_cores() - 1)
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "EngineConfig":

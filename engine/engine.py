@@ -14,13 +14,13 @@ import uuid
 from .backends import choose_backend
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenTexts
-from .errors import EngineError, InvalidRequest, NotReady, PromptTooLong, WorkerFailed
+from .errors import EngineError, InvalidRequest, NotReady, PromptTooLong, WorkerFailed, describe
 from .executor import ModelExecutor
 from .inputs import InputProcessor
-from .messages import ModelInfo
+from .messages import ModelInfo, eos_ids
 from .model_store import resolve_model
 from .sampling import SamplingParams
-from .scheduler import RequestObserver, WorkloadManager
+from .scheduler import RequestObserver, Scheduler
 from .sequence import DeltaEvent, RequestOutput, SampleGroup, Sequence
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class RequestHandle:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, observer: RequestObserver | None = None):
         self.config = config or EngineConfig()
-        self.scheduler = WorkloadManager(self.config.max_batch_size, self.config.max_queue, self.config.policy,
+        self.scheduler = Scheduler(self.config.max_batch_size, self.config.max_queue, self.config.policy,
                                          observer, self.config.max_queue_per_client,
                                          self.config.max_batch_kv_tokens)
         self.tokenizer = None
@@ -270,6 +270,18 @@ class LLMEngine:
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every request finished within `timeout` seconds (a drain waits on it)."""
+        return self.scheduler.wait_idle(timeout)
+
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
                prompt_token_ids: list[int] | None = None) -> list[int]:
         """Validated prompt token ids (InvalidRequest, PromptTooLong or Overloaded otherwise)."""
@@ -301,10 +313,7 @@ class LLMEngine:
         return min(timeout_s, self.config.request_timeout_s)
 
     def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.info.eos_token_ids if self.info else ())
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return frozenset(eos_ids(self.info.eos_token_ids if self.info else None, self.tokenizer.eos_token_id))
 
     # -- the scheduler thread ------------------------------------------------------------------------------
 
@@ -330,7 +339,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - the loop must outlive a bug: fail, reset, go on
             logger.exception("scheduler step failed")
             self.executor.discard_worker()  # its KV cache no longer matches our bookkeeping
-            self._on_worker_failure(WorkerFailed(f"internal error: {type(exc).__name__}: {exc}"))
+            self._on_worker_failure(WorkerFailed(f"internal error: {describe(exc)}"))
 
     def _step(self) -> None:
         plan = self.scheduler.schedule(timeout=1.0)

@@ -67,3 +67,8 @@ class RequestFailed(EngineError):
     """The worker could not compute this one request (the batch and the worker went on)."""
 
     code = "request_failed"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line for a log or an error message: its type and text."""
+    return f"{type(exc).__name__}: {exc}"

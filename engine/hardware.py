@@ -53,7 +53,15 @@ def cpu_flags() -> frozenset[str]:
 
 def detect_host() -> Host:
     has_cuda = os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
-    return Host(platform.machine(), cpu_flags(), os.cpu_count() or 1, has_cuda)
+    return Host(platform.machine(), cpu_flags(), available_cores(), has_cuda)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def choose_dtype(configured: str, device: str, host: Host) -> tuple[str, str]:

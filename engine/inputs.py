@@ -11,7 +11,6 @@ model input, with no other party's turn in it to forge.
 import json
 import logging
 import math
-import os
 import re
 import secrets
 import threading
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from .errors import InvalidRequest, Overloaded, PromptTooLong
+from .hardware import available_cores
 from .memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -276,10 +276,3 @@ def _pre_tokenizer_keeps_characters(part: dict | None) -> bool:
     if part["type"] == "Split":
         return part.get("behavior") != "Removed"
     return part["type"] in _NON_DROPPING_PRE_TOKENIZERS
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1

@@ -91,6 +91,14 @@ class ShutdownTask:
     call_id: int = 0
 
 
+def eos_ids(*values) -> tuple[int, ...]:
+    """End-of-sequence ids from where models keep them (an id, a list of ids, or None), each once, sorted."""
+    ids = set()
+    for value in values:
+        ids.update(value if isinstance(value, (list, tuple, set, frozenset)) else [] if value is None else [value])
+    return tuple(sorted(ids))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model: str

@@ -1,4 +1,4 @@
-"""WorkloadManager: the waiting queue, the running batch and the batching policy.
+"""Scheduler: the waiting queue, the running batch and the batching policy.
 
 Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks
 while there is nothing to do) and `postprocess`. One lock guards all of it.
@@ -47,7 +47,7 @@ class RequestObserver:
         pass
 
 
-class WorkloadManager:
+class Scheduler:
     def __init__(self, max_batch_size: int = 8, max_queue: int = 64, policy: str = "continuous",
                  observer: RequestObserver | None = None, max_queue_per_client: int | None = None,
                  max_batch_kv_tokens: int | None = None):

@@ -20,6 +20,7 @@ import sys
 import threading
 from importlib import _bootstrap as import_machinery
 
+from .errors import describe
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
 
@@ -43,7 +44,7 @@ def run_worker(config, model_path: str, backend_name: str, task_queue, result_qu
         backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
         logger.exception("model worker failed to load %s", model_path)
-        result_queue.put(WorkerFailure(0, f"{type(exc).__name__}: {exc}"))
+        result_queue.put(WorkerFailure(0, describe(exc)))
         return
     result_queue.put(WorkerReady(backend.info))
     try:
@@ -189,7 +190,7 @@ def handle_task(backend, task: Task):
                 return EchoResult(call_id, payload)
     except (RuntimeError, ValueError, ArithmeticError, LookupError, TypeError, MemoryError) as exc:
         logger.exception("model worker step failed")
-        return WorkerFailure(task.call_id, f"{type(exc).__name__}: {exc}")
+        return WorkerFailure(task.call_id, describe(exc))
     return WorkerFailure(task.call_id, f"unknown task {type(task).__name__}")
 
 

@@ -59,7 +59,7 @@ def test_cancel_mid_stream(server, client):
     client.send({"type": "cancel", "id": "c"})
     final = client.collect(["c"])["c"]["final"]
     assert final["finish_reason"] == "abort" and final["usage"]["completion_tokens"] < 300
-    assert server.state.engine.scheduler.num_running == 0
+    assert server.state.engine.num_running == 0
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -56,7 +56,7 @@ def test_leaving_the_loop_cancels_the_request(server):
     stream = Client(server.url).stream("Write a long story about the sea.", max_tokens=500, ignore_eos=True)
     assert next(stream)
     stream.close()  # what `break` does to a generator
-    wait_until(lambda: server.state.engine.scheduler.num_running == 0, timeout=30, what="the request cancelled")
+    wait_until(lambda: server.state.engine.num_running == 0, timeout=30, what="the request cancelled")
 
 
 def test_api_key_over_socket_and_rest(server):

@@ -336,7 +336,7 @@ def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir,
         caller = threading.Thread(target=lambda: outcome.update(answer=http(
             "POST", live.url + "/basic_generate", {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})))
         caller.start()
-        wait_until(lambda: live.state.engine.scheduler.num_running == 1)
+        wait_until(lambda: live.state.engine.num_running == 1)
         time.sleep(5.5)  # the step is now older than 5 s
         started = time.monotonic()
         status, _, body = http("GET", live.url + "/ready", timeout=10)

@@ -107,7 +107,7 @@ def test_cancel_aborts_and_frees_the_slot_at_the_next_step(make_engine, tiny_mod
     assert handle.cancel()
     output = handle.result(timeout=30)
     assert output.finish_reason is FinishReason.ABORT and output.usage.completion_tokens < 200
-    assert engine.scheduler.num_running == 0
+    assert engine.num_running == 0
     # The worker frees its KV cache with the next scheduler step; after it, a bare step decodes nothing.
     deadline = time.monotonic() + 10
     while engine.executor.step((), ()).output.new_token_ids:

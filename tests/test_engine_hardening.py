@@ -99,7 +99,7 @@ def test_a_request_past_its_deadline_fails_alone_and_frees_its_slot(make_engine,
     for output in (running.result(timeout=30), waiting.result(timeout=30)):
         assert output.finish_reason is FinishReason.ERROR and output.error_code == "deadline_exceeded"
     assert engine.generate(["Hi"], GREEDY, timeout=60)[0].finish_reason is FinishReason.LENGTH
-    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    assert engine.num_running == 0 and engine.num_waiting == 0
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
@@ -118,7 +118,7 @@ def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir):
                              sink=finished, request_id=f"hog-{i}")
 
     hog = [submit_hog(0)]
-    wait_until(lambda: engine.scheduler.num_running == 1)
+    wait_until(lambda: engine.num_running == 1)
     hog += [submit_hog(i) for i in range(1, 4)]  # one running, three waiting: its cap
     with pytest.raises(Overloaded):
         engine.submit("Hello", GREEDY, client_id="hog")

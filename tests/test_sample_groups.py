@@ -8,7 +8,7 @@ import pytest
 from engine import FinishReason, Overloaded
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import NewRequest, StepOutput, StepResult, TokenLogprob, WorkerSampling
-from engine.scheduler import WorkloadManager
+from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, SampleGroup, Sequence
 
 from .test_scheduler import CharTokenizer, make_seq
@@ -32,7 +32,7 @@ def final(group: SampleGroup) -> RequestOutput:
     return outputs[0]
 
 
-def step(manager: WorkloadManager, tokens: dict[str, int], logprobs: dict[str, float] | None = None):
+def step(manager: Scheduler, tokens: dict[str, int], logprobs: dict[str, float] | None = None):
     plan = manager.schedule(timeout=0)
     entries = {i: (TokenLogprob(tokens[i], lp),) for i, lp in (logprobs or {}).items()}
     manager.postprocess(StepOutput({i: (t,) for i, t in tokens.items()}, logprobs=entries))
@@ -40,7 +40,7 @@ def step(manager: WorkloadManager, tokens: dict[str, int], logprobs: dict[str, f
 
 
 def test_a_group_is_one_new_request_with_every_sample_id():
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     group = make_group("g", 3)
     manager.add_group(group.sequences)
     plan = manager.schedule(timeout=0)
@@ -49,7 +49,7 @@ def test_a_group_is_one_new_request_with_every_sample_id():
 
 
 def test_a_group_waits_until_all_its_samples_fit():
-    manager = WorkloadManager(max_batch_size=3)
+    manager = Scheduler(max_batch_size=3)
     manager.add(make_seq("solo", max_tokens=2))
     manager.schedule(timeout=0)
     group = make_group("g", 3)
@@ -61,7 +61,7 @@ def test_a_group_waits_until_all_its_samples_fit():
 
 
 def test_a_group_is_queued_all_or_none():
-    manager = WorkloadManager(max_batch_size=1, max_queue=4)
+    manager = Scheduler(max_batch_size=1, max_queue=4)
     manager.add_group(make_group("a", 3).sequences)
     with pytest.raises(Overloaded):
         manager.add_group(make_group("b", 2).sequences)
@@ -69,7 +69,7 @@ def test_a_group_is_queued_all_or_none():
 
 
 def test_cancel_by_the_request_id_stops_every_sample():
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     group = make_group("g", 2, max_tokens=10)
     manager.add_group(group.sequences)
     step(manager, {"g#0": 120, "g#1": 121})
@@ -81,7 +81,7 @@ def test_cancel_by_the_request_id_stops_every_sample():
 
 
 def test_one_failed_sample_fails_the_request_and_stops_the_others():
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     group = make_group("g", 2, max_tokens=10)
     manager.add_group(group.sequences)
     manager.schedule(timeout=0)
@@ -93,7 +93,7 @@ def test_one_failed_sample_fails_the_request_and_stops_the_others():
 
 
 def test_best_of_returns_the_n_most_likely_samples_best_first():
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     group = make_group("g", 3, n=2, max_tokens=2)
     manager.add_group(group.sequences)
     step(manager, {"g#0": 120, "g#1": 121, "g#2": 122}, {"g#0": -3.0, "g#1": -0.5, "g#2": -1.0})

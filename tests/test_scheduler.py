@@ -1,4 +1,4 @@
-"""WorkloadManager with a scripted worker: admission by policy, queue bounds, aborts, frees."""
+"""Scheduler with a scripted worker: admission by policy, queue bounds, aborts, frees."""
 import queue
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 from engine import FinishReason, Overloaded
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import StepOutput, WorkerSampling
-from engine.scheduler import WorkloadManager
+from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence
 
 
@@ -22,7 +22,7 @@ def make_seq(request_id: str, max_tokens: int = 3) -> Sequence:
                     IncrementalDetokenizer(CharTokenizer()), queue.Queue(), frozenset({0}))
 
 
-def run_step(manager: WorkloadManager, token: int = 120):
+def run_step(manager: Scheduler, token: int = 120):
     """What the engine loop does, with a worker that answers `token` for every running request."""
     plan = manager.schedule(timeout=0)
     manager.postprocess(StepOutput({seq.request_id: (token,) for seq in manager.running}))
@@ -37,7 +37,7 @@ def outputs(seq: Sequence) -> RequestOutput:
 
 
 def test_continuous_admits_up_to_the_batch_size_and_refills_between_steps():
-    manager = WorkloadManager(max_batch_size=2, policy="continuous")
+    manager = Scheduler(max_batch_size=2, policy="continuous")
     seqs = [make_seq("a", 1), make_seq("b", 3), make_seq("c", 3)]
     for seq in seqs:
         manager.add(seq)
@@ -48,7 +48,7 @@ def test_continuous_admits_up_to_the_batch_size_and_refills_between_steps():
 
 
 def test_static_waits_for_the_whole_batch():
-    manager = WorkloadManager(max_batch_size=2, policy="static")
+    manager = Scheduler(max_batch_size=2, policy="static")
     for seq in (make_seq("a", 1), make_seq("b", 3), make_seq("c", 1)):
         manager.add(seq)
     admitted = [[r.request_id for r in run_step(manager).new_requests] for _ in range(4)]
@@ -56,7 +56,7 @@ def test_static_waits_for_the_whole_batch():
 
 
 def test_none_runs_one_request_at_a_time():
-    manager = WorkloadManager(max_batch_size=8, policy="none")
+    manager = Scheduler(max_batch_size=8, policy="none")
     for seq in (make_seq("a", 2), make_seq("b", 2)):
         manager.add(seq)
     admitted = [[r.request_id for r in run_step(manager).new_requests] for _ in range(3)]
@@ -64,7 +64,7 @@ def test_none_runs_one_request_at_a_time():
 
 
 def test_full_queue_raises_overloaded_instead_of_blocking():
-    manager = WorkloadManager(max_batch_size=1, max_queue=2)
+    manager = Scheduler(max_batch_size=1, max_queue=2)
     manager.add(make_seq("a"))
     manager.add(make_seq("b"))
     with pytest.raises(Overloaded):
@@ -72,7 +72,7 @@ def test_full_queue_raises_overloaded_instead_of_blocking():
 
 
 def test_abort_waiting_finishes_at_once_and_running_at_the_next_step():
-    manager = WorkloadManager(max_batch_size=1)
+    manager = Scheduler(max_batch_size=1)
     running, waiting = make_seq("a", 10), make_seq("b")
     manager.add(running)
     manager.add(waiting)
@@ -85,7 +85,7 @@ def test_abort_waiting_finishes_at_once_and_running_at_the_next_step():
 
 
 def test_eos_and_length_finish_reasons_and_usage():
-    manager = WorkloadManager()
+    manager = Scheduler()
     eos, length = make_seq("eos", 5), make_seq("len", 2)
     manager.add(eos)
     manager.add(length)
@@ -99,7 +99,7 @@ def test_eos_and_length_finish_reasons_and_usage():
 
 
 def test_schedule_blocks_until_work_arrives_and_returns_none_on_timeout():
-    manager = WorkloadManager()
+    manager = Scheduler()
     assert manager.schedule(timeout=0.05) is None
     manager.close()
     assert manager.schedule(timeout=None) is None
@@ -111,7 +111,7 @@ def make_long_seq(request_id: str, num_prompt_tokens: int, max_tokens: int) -> S
 
 
 def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_starved():
-    manager = WorkloadManager(max_batch_size=8, max_batch_kv_tokens=1000)
+    manager = Scheduler(max_batch_size=8, max_batch_kv_tokens=1000)
     for i in range(3):
         manager.add(make_long_seq(f"short-{i}", 40, 60))  # 100 tokens each
     manager.add(make_long_seq("long", 300, 100))  # 400: with it, 4 rows x 400 = 1600 > 1000
@@ -127,7 +127,7 @@ def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_s
 def test_a_request_whose_last_text_fails_fails_alone():
     """The flush at its end raises (a tokenizer bug): that request gets its error, the step goes on, and nothing is
     finished twice (which was a KeyError out of postprocess: every running request failed, this one never heard)."""
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     broken, other = make_seq("req-2-broken", 1), make_seq("other", 2)
 
     def failing_flush():
@@ -159,7 +159,7 @@ def admitted_ids(plan) -> list[str]:
 
 def test_a_single_request_is_admitted_past_a_group_that_does_not_fit_yet():
     """No head-of-line blocking: a group waiting for slots does not keep a short request behind it waiting."""
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     for name in ("long-a", "long-b"):
         manager.add(make_seq(name, 100))
     run_step(manager)
@@ -171,7 +171,7 @@ def test_a_single_request_is_admitted_past_a_group_that_does_not_fit_yet():
 
 def test_a_group_passed_by_a_batch_of_requests_reserves_the_slots_that_free():
     """Not starved: once a batch's worth of sequences went past it, later requests wait and the group goes next."""
-    manager = WorkloadManager(max_batch_size=4)
+    manager = Scheduler(max_batch_size=4)
     for name in ("long-a", "long-b"):
         manager.add(make_seq(name, 100))
     run_step(manager)

@@ -42,14 +42,13 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kv_cache import SlotKVCache, one_query_attention
-from .native import Bf16Kernels, DecoderStack, LayerWeights
+from .native import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
 from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
-PROBE_ROWS = 33
 
 
 class Linear:

@@ -45,10 +45,11 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
+from ..errors import describe
 from ..hardware import choose_dtype, detect_host
 from ..memory import release_freed_memory
 from ..model_store import gguf_of
-from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling
+from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
 from .base import Backend, resolve_device
 from .constrained import GrammarCompiler
 from .fast_decode import FastDecoder
@@ -257,7 +258,7 @@ class HFBackend(Backend):
         try:
             samplers = dict(zip(request.all_sample_ids, samplers_for(request, self.device, grammars=self.grammars)))
         except REQUEST_ERRORS as exc:
-            output.failed.update(dict.fromkeys(request.all_sample_ids, _describe(exc)))
+            output.failed.update(dict.fromkeys(request.all_sample_ids, describe(exc)))
             return
         echo = [None] if request.sampling.prompt_logprobs is not None else None  # the first token has none
         cache = self.fast_decoder.new_prompt_cache(len(request.prompt_token_ids)) if self.fast_decoder is not None \
@@ -325,7 +326,7 @@ class HFBackend(Backend):
                 logits = self._prefill_chunk(prefill, num_tokens)
             except REQUEST_ERRORS as exc:
                 logger.exception("prefill of %s failed", prefill.request.request_id)
-                failed.update(dict.fromkeys(prefill.samplers, _describe(exc)))
+                failed.update(dict.fromkeys(prefill.samplers, describe(exc)))
                 self.prefills.popleft()
                 continue
             if prefill.num_left == 0:
@@ -430,7 +431,7 @@ class HFBackend(Backend):
             return sampler(logits)
         except REQUEST_ERRORS as exc:
             logger.exception("sampling for %s failed", request_id)
-            failed[request_id] = _describe(exc)
+            failed[request_id] = describe(exc)
             return None
 
     def _free(self, finished_ids: set[str], keep_prefixes: bool = False) -> None:
@@ -506,10 +507,6 @@ def planned_chunk_size(num_computed: int, num_left: int, chunk_tokens: int, chun
     return min(num_left, chunk_tokens, max(MIN_CHUNK_TOKENS, affordable))
 
 
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -525,8 +522,4 @@ def _context_length(model_config, configured: int) -> int:
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:
-    ids = set()
-    for source in (model.config, model.generation_config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return tuple(sorted(ids))
+    return eos_ids(*(getattr(source, "eos_token_id", None) for source in (model.config, model.generation_config)))

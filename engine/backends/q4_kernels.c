@@ -654,11 +654,19 @@ static void weighted_sum(const float *weights, const float *values, int64_t leng
         int64_t width = head_dim - i < 64 ? (head_dim - i) / 8 : 8;
         __m256 acc[8];
         for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < length; p++) {
-            __m256 weight = _mm256_broadcast_ss(weights + p);
-            const float *value = values + p * head_dim + i;
-            for (int v = 0; v < width; v++) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
-        }
+        if (width == 8) /* the same FMAs as below, with the accumulators in registers */
+            for (int64_t p = 0; p < length; p++) {
+                __m256 weight = _mm256_broadcast_ss(weights + p);
+                const float *value = values + p * head_dim + i;
+                for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
+            }
+        else
+            for (int64_t p = 0; p < length; p++) {
+                __m256 weight = _mm256_broadcast_ss(weights + p);
+                const float *value = values + p * head_dim + i;
+                for (int v = 0; v < width; v++)
+                    acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
+            }
         for (int v = 0; v < width; v++) _mm256_storeu_ps(out + i + 8 * v, acc[v]);
     }
 }
@@ -696,19 +704,57 @@ struct attention_job {
 
 /* Scores of the group's query heads (queries[g * head_dim..]) against positions 0..length-1, scaled: each key is
  * read once for the whole group. scores: group rows of `stride` floats. */
+#if LOCKSTEP_AVX2
+/* `group_scores` for a group size the compiler knows (its accumulators in registers), two positions at a time
+ * for GROUP <= 4 (independent chains of FMAs hide each other's latency); each score is the same chain of FMAs over
+ * the head's dimensions in order, however many positions a pass takes. */
+static inline __attribute__((always_inline)) void scores_of_group(const float *queries, const float *keys,
+                                                                  int64_t length, int64_t head_dim, float scaling,
+                                                                  float *scores, int64_t stride, const int GROUP) {
+    int64_t p = 0;
+    for (; GROUP <= 4 && p + 2 <= length; p += 2) {
+        const float *first = keys + p * head_dim, *second = first + head_dim;
+        __m256 a[4], b[4];
+        for (int g = 0; g < GROUP; g++) a[g] = b[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m256 k0 = _mm256_loadu_ps(first + i), k1 = _mm256_loadu_ps(second + i);
+            for (int g = 0; g < GROUP; g++) {
+                __m256 q = _mm256_loadu_ps(queries + g * head_dim + i);
+                a[g] = _mm256_fmadd_ps(q, k0, a[g]);
+                b[g] = _mm256_fmadd_ps(q, k1, b[g]);
+            }
+        }
+        for (int g = 0; g < GROUP; g++) {
+            scores[g * stride + p] = sum_lanes(a[g]) * scaling;
+            scores[g * stride + p + 1] = sum_lanes(b[g]) * scaling;
+        }
+    }
+    for (; p < length; p++) {
+        const float *key = keys + p * head_dim;
+        __m256 acc[8];
+        for (int g = 0; g < GROUP; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m256 k = _mm256_loadu_ps(key + i);
+            for (int g = 0; g < GROUP; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + g * head_dim + i), k, acc[g]);
+        }
+        for (int g = 0; g < GROUP; g++) scores[g * stride + p] = sum_lanes(acc[g]) * scaling;
+    }
+}
+#endif
+
 static void group_scores(const float *queries, int64_t group, const float *keys, int64_t length, int64_t head_dim,
                          float scaling, float *scores, int64_t stride) {
 #if LOCKSTEP_AVX2
-    for (int64_t p = 0; p < length; p++) {
-        const float *key = keys + p * head_dim;
-        __m256 acc[8];
-        for (int64_t g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m256 k = _mm256_loadu_ps(key + i);
-            for (int64_t g = 0; g < group; g++)
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + g * head_dim + i), k, acc[g]);
-        }
-        for (int64_t g = 0; g < group; g++) scores[g * stride + p] = sum_lanes(acc[g]) * scaling;
+    switch (group) { /* Q4Stack takes groups of at most 8 */
+    case 1: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 1); break;
+    case 2: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 2); break;
+    case 3: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 3); break;
+    case 4: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 4); break;
+    case 5: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 5); break;
+    case 6: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 6); break;
+    case 7: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 7); break;
+    default: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 8); break;
     }
 #else
     for (int64_t g = 0; g < group; g++)

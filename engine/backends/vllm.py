@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling
+from ..errors import describe
+from ..messages import ModelInfo, eos_ids, NewRequest, StepOutput, TokenLogprob, WorkerSampling
 from .base import Backend, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class VLLMBackend(Backend):
             except (ValueError, TypeError) as exc:  # vLLM refused this one request (its params, its length)
                 logger.warning("vLLM refused %s: %s", request.request_id, exc)
                 self._abort(request.all_sample_ids)
-                failed.update(dict.fromkeys(request.all_sample_ids, f"{type(exc).__name__}: {exc}"))
+                failed.update(dict.fromkeys(request.all_sample_ids, describe(exc)))
         output = StepOutput(failed=failed)
         if self.engine.has_unfinished_requests():
             self._collect(self.engine.step(), output)
@@ -291,8 +292,5 @@ def num_model_workers(config: EngineConfig) -> int:
 
 
 def _eos_token_ids(llm) -> tuple[int, ...]:
-    ids = set()
-    for eos in (llm.get_tokenizer().eos_token_id,
-                llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id")):
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return tuple(sorted(ids))
+    return eos_ids(llm.get_tokenizer().eos_token_id,
+                   llm.llm_engine.model_config.try_get_generation_config().get("eos_token_id"))
