@@ -1,5 +1,5 @@
 """`python -m bench COMMAND [options]`: serve (the serving benchmark), compare (start each server and compare
-them), or any other bench module by name (throughput, fuzz, soak, long_prompt, ...; `python -m bench.x` works too).
+them), or any other bench module by name (throughput, multiturn, long_prompt, ...; `python -m bench.x` works too).
 """
 import runpy
 import sys

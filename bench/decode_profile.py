@@ -1,29 +1,14 @@
-"""Where a decode step's time goes in the transformers backend (issue 10, item 3), and which kernels to compute it
-with on this host (issue 20).
+"""Where a decode step's time goes, and which kernels to compute it with on this host.
 
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
     python -m bench.decode_profile --paths [--compile]
 
---paths: one decode step's weight matmuls (every layer's fused q/k/v, output, fused gate/up and down, and the
-lm_head) at 1, 8 and 16 rows, on each way this host offers: PyTorch's float32 and bfloat16 matmuls (oneDNN/MKL),
-ATen's weight-only int8 and int4 CPU matmuls as torchao calls them, with --compile inductor's code for an int8
-weight-only matmul, and lockstep's 4-bit kernels on the GGUF's own blocks (1 thread and with the helpers); then
-the whole 4-bit decode step. The CPU's instruction sets head the table.
-
-Three tables, in one process so the ratios compare even on a busy machine:
-1. ms per decode step and tokens/s, batch 1 / 8 / 16 at contexts 64 / 256 / 1,024: the design the
-   backend started from (a DynamicCache concatenated every step, rows left-padded to the longest, a
-   2-D mask grown by a column per step, SDPA attention), the slot KV cache through the model's
-   forward, and the slot KV cache through the fast forward (engine/backends/fast_decode.py) on
-   oneDNN's matmuls and on lockstep's kernels (engine/backends/bf16_kernels.c, where the CPU has
-   AVX512-BF16): layer by layer from Python, the whole step in one C call, and that call sharing
-   its matmuls with the kernels' helper thread (the default);
-2. the layer-by-layer steps (batch 8 and 16, context 256) split into their parts: the weight
-   matmuls, attention, cache writes, the rotary embedding, and the rest (norms, SiLU, adds, Python);
-3. the per-token costs outside the forward: the sampler per row, the worker round-trip (a
-   forked worker's echo), the parent's incremental detokenizer.
-Times are wall-clock medians with the process CPU time beside them: when the CPU time is much
-lower, other processes held the cores.
+A served token costs one decode step, so these tables decide the backend's forward and its kernels. By default: ms
+per step for each design of the step (from the one the backend started from to lockstep's kernels in one C call
+with their helper thread), the layer-by-layer steps split into their parts, and the per-token costs outside the
+forward, all in one process so that the ratios compare even on a busy machine. --paths: one step's weight matmuls
+on every way this host offers to compute them. Times are wall-clock medians beside the process CPU time (a much
+lower CPU time: other processes held the cores). The tables and what they showed: docs/benchmarks.md.
 """
 import argparse
 import contextlib

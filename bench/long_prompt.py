@@ -1,4 +1,4 @@
-"""How much a long prompt stalls the streams already running (issue 8, item 2).
+"""How much a long prompt stalls the streams already running.
 
     python -m bench.long_prompt [--prompt-chars 30000] [--streams 2] [--dtype bfloat16]
 

@@ -1,4 +1,4 @@
-"""Multi-turn chat: does a server reuse the conversation it has already seen? (issue 22)
+"""Multi-turn chat: does a server reuse the conversation it has already seen?
 
     python -m bench multiturn [--configs hf,hf-no-cache,llama-server,llama-server-bf16,vllm-server]
                               [--turns 10] [--conversations 2]

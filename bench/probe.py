@@ -1,15 +1,10 @@
-"""TTFT of a short prompt beside running streams: issue 10's "TTFT p50 <= 100 ms for a 30-token prompt while 8
-other streams run", measured alike on lockstep (/ws) and on OpenAI-SSE servers (vLLM's, llama.cpp's).
+"""TTFT of a short prompt beside running streams, measured alike on lockstep (/ws) and on OpenAI-SSE servers.
 
-`num_streams` streams of long outputs (512 tokens, ignore_eos) run through the same target client as the sweep,
-each restarted as it ends. Once all of them are decoding (their first text arrived), probes go out one after
-another: a ~30-token prompt (numbered at its start, so no two probes share a prefix cache), 8 output tokens,
-greedy, a short random gap between them. A probe counts only if every stream was decoding for the whole of it
-(from its start to its last text). The run is bounded: when the streams do not all decode within
-`settle_timeout_s` (a server that serves one request at a time never gets there), the probes go out anyway and are
-reported as measured but not counted (the wait takes at most half the deadline); a probe still running at
-`deadline_s` is cut. The streams are cancelled at the end (their connections shut down, which servers take as a
-cancel).
+It is the wait a new user feels on a busy server, which the sweep's TTFT (requests that start together) does not
+show. Long streams run, each restarted as it ends; once all of them decode, short probes go out one after another,
+and a probe counts only if every stream decoded throughout it. The run is bounded (`settle_timeout_s`,
+`deadline_s`): a server that serves one request at a time never has the streams decode together, so its probes are
+reported but not counted. The method and the results: the serving sections of docs/benchmarks.md.
 """
 import logging
 import math

@@ -1,9 +1,8 @@
 """A lockstep server under test: start the real gunicorn (or find one already running) and watch its processes.
 
-Both the fuzzer and the soak need the same things from the server's side: its gunicorn worker and model
-worker pids, their RSS / threads / fds, and how many times the model worker was forked (a restart is a
-second fork). There is no restart metric, so restarts are read from the log line the executor writes per fork
-("forked model worker <pid>"), or, for a server we did not start, from the model worker's pid changing.
+The benchmark starts lockstep with it (peers.py), and the tests and their harness (tests/harness/) reuse it, so it
+lives here: tests may import bench, bench never imports tests. Restarts show as a second "forked model worker <pid>"
+log line, in the restart metric, or (for a server we did not start) as the model worker's pid changing.
 """
 import logging
 import os

@@ -1,5 +1,6 @@
-"""A bounded run of bench.fuzz in the suite: a few hundred generated cases (REST bodies, /ws and /v1/responses
-WebSocket sessions, raw HTTP) against the real gunicorn, with a checked greedy stream, a checked REST loop and a /health prober beside it.
+"""A bounded run of the fuzzer (tests/harness/fuzz.py) in the suite: a few hundred generated cases (REST bodies,
+/ws and /v1/responses WebSocket sessions, raw HTTP) against the real gunicorn, with a checked greedy stream, a
+checked REST loop and a /health prober beside it.
 
 The server is gunicorn (not werkzeug) because raw HTTP parsing, slow clients and worker forks are gunicorn's and
 the fork count is read from its log. weights=exact (float32 on the 4-bit kernels, the prefix cache on), so a
@@ -7,8 +8,9 @@ greedy answer must match its prompt answered alone exactly, cached prefix or not
 """
 import pytest
 
-from bench.fuzz import fuzz
 from bench.server import start_gunicorn
+
+from .harness.fuzz import fuzz
 
 CASES = 500
 SEED = 20261129
@@ -66,6 +68,6 @@ def test_no_model_worker_restart(report):
 
 
 def test_no_exception_escaped_into_the_server_log(report):
-    """Issue 9.7: every handler path ends cleanly. A slow client's 408 is logged by gunicorn, not escaped."""
+    """Every handler path ends cleanly. A slow client's 408 is logged by gunicorn, not escaped."""
     escaped = {kind: t for kind, t in report["server_log_tracebacks"].items() if not kind.endswith("ReadTimeout")}
     assert escaped == {}

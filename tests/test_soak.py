@@ -1,4 +1,5 @@
-"""bench.soak in its short mode: the real gunicorn (weights=exact, the prefix cache on) under mixed load with a CPU burner on every core.
+"""The soak (tests/harness/soak.py) in its short mode: the real gunicorn (weights=exact, the prefix cache on) under
+mixed load with a CPU burner on every core.
 
 Asserts the zeros (no cross-delivered, lost or failed well-formed request, no worker restart) and flat memory:
 each process ends within 10% (+40 MB of allocator noise) of its RSS after warm-up, which already includes the
@@ -6,7 +7,7 @@ long prompt's prefill, so growth here is a leak, not a first allocation.
 """
 import pytest
 
-from bench.soak import SoakConfig, run_soak
+from .harness.soak import SoakConfig, run_soak
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Run one fuzz case against a live server and judge what came back on the wire.
 
 Every case ends in a CaseResult: an `observed` outcome (an HTTP status, a close code, "usable" for a socket that
-still answers) and a list of problems. A problem is something the API contract or issue 9 rules out: a 5xx, an
+still answers) and a list of problems. A problem is something the API contract rules out: a 5xx, an
 error body without the JSON error shape, a socket closed without a close code, a socket that stops answering
 after an error frame, the wrong close code for a protocol error.
 """
@@ -26,7 +26,7 @@ PROBE_ID = "__probe__"
 SERVER_FAULT_CODES = {"worker_failed", "internal_error", "server_error", "not_ready"}
 SUCCESS_KEYS = {"/basic_generate": "generated_text", "/generate": "generated_texts", "/v1/completions": "choices",
                 "/v1/chat/completions": "choices", "/tokenize": "tokens", "/v1/responses": "output"}
-# The contract's four, plus "ready": the answer to an auth frame (issue 9 moved the socket's key out of the URL).
+# The contract's four, plus "ready": the answer to an auth frame (the socket's key is not in its URL).
 WS_MESSAGE_TYPES = {"start", "delta", "done", "error", "ready"}
 RESPONSES_EVENT_TYPES = {"response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added", "response.output_text.delta", "response.output_text.done",
@@ -77,7 +77,7 @@ def _check_success_shape(case: RestCase, outcome, result: CaseResult) -> None:
 
 
 def _check_new_fields(body, path: str, answer, result: CaseResult) -> None:
-    """An accepted request got what its issue-11 fields asked for: n choices per prompt, logprobs when asked,
+    """An accepted request got what its sampling and output fields asked for: n choices per prompt, logprobs when asked,
     the prompt echoed. A field accepted and then not honoured is `rest_field_ignored`."""
     if not isinstance(body, dict) or not isinstance(answer, dict):
         return

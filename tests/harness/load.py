@@ -1,4 +1,4 @@
-"""Shared load pieces for bench.fuzz and bench.soak: raw HTTP and WebSocket calls that report what happened on
+"""Shared load pieces for the fuzzer and the soak: raw HTTP and WebSocket calls that report what happened on
 the wire, greedy references taken alone, the well-formed traffic that runs beside the fuzz or the soak and is
 checked, a /health prober and a CPU burner.
 
@@ -38,7 +38,7 @@ REFERENCE_PROMPTS = (
     "The three primary colors are",
 )
 CHAT_REFERENCE = [{"role": "user", "content": "Name three fruits."}]
-# Issue 21: Responses conversations (REST and socket), a first turn and a follow-up that continues it.
+# Responses conversations (REST and socket), a first turn and a follow-up that continues it.
 RESPONSES_PATH = "/v1/responses"
 RESPONSES_PROMPTS = REFERENCE_PROMPTS[:4]
 FOLLOW_UP = "Now say it in French."  # its answers differ per prompt and from the first turns (checked)

@@ -1,18 +1,13 @@
 """Soak: mixed load on the real gunicorn with a CPU burner on every core, every greedy answer checked.
 
-    python -m bench.soak --minutes 10 --json /tmp/soak.json
-    python -m bench.soak --minutes 1 --long-tokens 1500         # the short mode the test suite runs
+It looks for what only a busy day shows: a cross-delivered or lost answer, a worker restart, memory that grows.
 
-Load, all at once: WebSocket streams (several per socket; some cancelled mid-stream, some sockets dropped
-abruptly), /basic_generate, /generate, /v1/chat/completions, Responses conversations (two turns over POST
-/v1/responses; two lanes of two turns on one /v1/responses socket), a long prompt every --long-every-s seconds, fuzz
-cases (bench.fuzzcases) mixed in, and a /health prober. The server runs with LOCKSTEP_WEIGHTS=exact (float32
-on the 4-bit kernels, every row computed alike, the prefix cache on) so that a greedy answer does not depend on
-the batch it shared or on the cached prefix it resumed from: every answer must equal its prompt's answer taken alone
-at the start (the references are pairwise distinct, so a swapped answer is seen as a cross-delivery), and a
-cancelled stream's text must be a prefix of its reference. Reports requests, errors by kind, cross-delivered and
-lost results, worker restarts, latencies, the longest inter-token gap, and RSS / threads / fds of the gunicorn
-worker and the model worker at start (after warm-up) and end.
+    python -m tests.harness.soak --minutes 10 --json /tmp/soak.json
+    python -m tests.harness.soak --minutes 1 --long-tokens 1500         # the short mode the test suite runs
+
+The server runs with LOCKSTEP_WEIGHTS=exact, where a greedy answer does not depend on the batch it shared or the
+cached prefix it resumed from, so every answer must equal its prompt's answer taken alone. The load and the
+report: docs/robustness.md.
 """
 import argparse
 import itertools
@@ -27,18 +22,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.server import ServerUnderTest, start_gunicorn
+
+from . import load
 from .fuzz import Findings, RestartBaseline, run_case, worker_restarts
 from .fuzzcases import make_case
 from .load import (CHAT_REFERENCE, CHECKED_CLIENT_ADDRESS, REFERENCE_PROMPTS, RESPONSES_PROMPTS, CheckedTraffic,
                    CpuBurner, HealthProbe, Loop, References, check_rest_answer, close_quietly, greedy_params, ms,
                    post_json, responses_rest_conversation, responses_socket_conversation, take_references,
                    take_responses_references, texts_and_finals, ws_connect, ws_read_until)
-from .server import ServerUnderTest, start_gunicorn
 
-logger = logging.getLogger("bench.soak")
+logger = logging.getLogger("tests.harness.soak")
 
 LONG_MAX_TOKENS = 4
-RSS_TOLERANCE = 0.10  # end RSS within 10% of the warmed-up start (issue 8, item 3)
+RSS_TOLERANCE = 0.10  # end RSS within 10% of the warmed-up start
 RSS_SLACK_MB = 40.0  # allocator noise on small processes
 SAMPLE_EVERY_S = 5.0
 
@@ -366,7 +363,7 @@ def run_soak(config: SoakConfig, log_dir: Path, weights: str = "exact", env: dic
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("bench.load").setLevel(logging.ERROR)
+    logging.getLogger(load.__name__).setLevel(logging.ERROR)
     config = SoakConfig(args.minutes, args.long_tokens, args.long_every_s, args.streamers, seed=args.seed,
                         burn=not args.no_burn)
     result = run_soak(config, args.log_dir, args.weights)

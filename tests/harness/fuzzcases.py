@@ -1,4 +1,4 @@
-"""Seeded generation of fuzz cases for bench.fuzz: REST bodies, WebSocket sessions and raw HTTP byte streams.
+"""Seeded generation of fuzz cases for the fuzzer (fuzz.py): REST bodies, WebSocket sessions and raw HTTP byte streams.
 
 Case `i` of seed `s` is drawn from its own `random.Random` seeded by (s, i), so any case can be rebuilt alone
 (`--seed S --only I`) whatever order a thread pool ran them in. A structured case is a valid base body plus a few
@@ -93,10 +93,9 @@ VALID_SAMPLING = [("temperature", 0.7), ("temperature", 0), ("top_p", 0.9), ("to
                   ("stop", ["."]), ("stop", "\n"), ("ignore_eos", True)]
 
 
-# -- issue 11's fields: logprobs, penalties, logit_bias, min_tokens, n / best_of, JSON mode, token-id prompts ------
+# -- sampling and output fields: logprobs, penalties, logit_bias, min_tokens, n / best_of, JSON mode, token ids --
 # Hostile but cheap: every value here is refused up front or costs no more than a few small requests, including
-# the schemas that once cost the server seconds, gigabytes or a 500 (a required recursive $ref, `(a{1000}){1000}`,
-# minItems 10**9, which killed the HTTP worker): the server now bounds their counts before compiling them.
+# schemas that the server must bound before it compiles them (docs/robustness.md).
 
 def _schema(schema) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": schema}}
@@ -175,7 +174,7 @@ ALL_NEW_FIELDS = sorted(set().union(*NEW_FIELDS.values()))
 
 
 def valid_new_fields(rng: random.Random, surface: str) -> dict:
-    """A few of issue 11's fields with valid values (kept cheap: at most 4 samples, short schemas)."""
+    """A few of those fields with valid values (kept cheap: at most 4 samples, short schemas)."""
     if rng.random() > 0.35:
         return {}
     chat = surface == "/v1/chat/completions"
@@ -298,7 +297,7 @@ def base_messages(rng: random.Random) -> list:
 
 
 def completion_prompt(rng: random.Random):
-    """A text prompt, or (issue 11) token ids or lists of them."""
+    """A text prompt, or token ids or lists of them."""
     return rng.choice(BASE_PROMPTS) if rng.random() < 0.8 else rng.choice([[28, 29, 30], [[1, 2], [3]], [0]])
 
 
@@ -338,7 +337,7 @@ def mutate(rng: random.Random, body: dict) -> Mutation:
     if roll < 0.2:
         return Mutation((rng.choice(["temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream", "n"]),),
                         odd_value(rng, "number"))
-    if roll < 0.34:  # issue 11's fields, their own odd values mostly
+    if roll < 0.34:  # the sampling and output fields, their own odd values mostly
         name = rng.choice(ALL_NEW_FIELDS)
         return Mutation((name,), odd_value(rng, name))
     if roll < 0.37 and isinstance(body, dict) and "prompt" in body:
@@ -503,7 +502,7 @@ def _session_frames(rng: random.Random, text_frame) -> list:
     return frames
 
 
-# -- issue 21: the Responses API (POST /v1/responses bodies, /v1/responses socket events) ------------------------
+# -- the Responses API (POST /v1/responses bodies, /v1/responses socket events) ------------------------
 
 RESPONSE_ROLES = ["user", "system", "developer", "assistant"]
 RESPONSE_PARTS = [[{"type": "input_text", "text": "Hi"}], [{"type": "output_text", "text": "Hello."}],

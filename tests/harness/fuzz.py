@@ -1,13 +1,13 @@
 """Fuzz a lockstep server from outside while well-formed traffic runs beside it and is checked.
 
-    python -m bench.fuzz --cases 10000 --json /tmp/fuzz.json            # starts its own gunicorn (weights=exact)
-    python -m bench.fuzz --url http://127.0.0.1:8311 --cases 10000      # a server that is already running
+A hostile client must get a documented error, never a 5xx or a silent socket, and must not disturb the answers of
+the well-formed clients beside it.
 
-Cases (bench.fuzzcases, seeded, reproducible with --seed; one case alone with --only N): REST bodies for every
-endpoint (POST /v1/responses among them), WebSocket sessions of every frame type on /ws and on /v1/responses,
-raw HTTP byte streams. Beside them: a greedy WebSocket stream and a REST loop, each answer compared with its
-prompt answered alone at the start, and a /health prober.
-Loopback only; bounded by --cases and --max-seconds.
+    python -m tests.harness.fuzz --cases 10000 --json /tmp/fuzz.json        # starts its own gunicorn (weights=exact)
+    python -m tests.harness.fuzz --url http://127.0.0.1:8311 --cases 10000  # a server that is already running
+
+Cases come from fuzzcases (seeded; one case alone with --only N). Loopback only; bounded by --cases and
+--max-seconds. What is generated and what counts as a problem: docs/robustness.md.
 """
 import argparse
 import json
@@ -20,13 +20,15 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.server import ServerUnderTest, start_gunicorn
+
+from . import load
 from .fuzzcases import RestCase, WsSession, make_case
 from .fuzzexec import PROTOCOLS, CaseResult, run_raw, run_rest, run_ws
 from .load import (REFERENCE_PROMPTS, CheckedTraffic, HealthProbe, Loop, References, check_rest_answer,
                    greedy_params, http_call, post_json, stream_greedy, take_references)
-from .server import ServerUnderTest, start_gunicorn
 
-logger = logging.getLogger("bench.fuzz")
+logger = logging.getLogger("tests.harness.fuzz")
 
 EXAMPLES_PER_PROBLEM = 3
 MINIMIZE_AT_MOST = 40
@@ -307,7 +309,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("bench.load").setLevel(logging.ERROR)  # failures are in the report
+    logging.getLogger(load.__name__).setLevel(logging.ERROR)  # failures are in the report
     server = _server_for(args)
     try:
         server.wait_ready()
