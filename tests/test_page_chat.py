@@ -545,6 +545,23 @@ def test_limits_come_from_the_model_card(browser, smol_server):  # noqa: F811
         context.close()
 
 
+def test_error_texts_and_limits_come_from_the_server(open_page, smol_server):
+    """The page repeats no server limit or error text: app/pages.py renders them into #page-config."""
+    page, _ = open_scripted(open_page, [error_with("invalid_value", "top_k must be at least 1"),
+                                        error_with("overloaded", "queue full (64 waiting)")])
+    config = json.loads(page.locator("#page-config").text_content())
+    card = smol_server.state.model_card()
+    assert config["limits"] == {name: card[name] for name in config["limits"]}
+    send(page, "one")
+    error = last_answer(page).locator(".error")
+    expect(error.locator(".error-text")).to_have_text("top_k must be at least 1")  # a bad value: the server's words
+    expect(error.locator(".error-code")).to_have_text("invalid_value")
+    send(page, "two")
+    error = last_answer(page).locator(".error")
+    expect(error.locator(".error-text")).to_have_text(config["error_texts"]["overloaded"])
+    expect(page.locator("#chat-log")).not_to_contain_text("queue full")
+
+
 def test_accessible_names_busy_and_live_regions(open_page):
     page, _ = open_scripted(open_page, [answer_with(["x"] * 20, gap_s=0.05)])
     expect(page.get_by_role("group", name="Settings")).to_be_visible()
