@@ -290,10 +290,7 @@ def _responses_schemas(sampling: dict) -> dict:
             "previous_response_id": _nullable({"type": "string", "minLength": 1,
                                                "maxLength": responses.MAX_ID_LENGTH}),
             "store": _nullable({"type": "boolean", "description": "Default true: kept (bounded, oldest evicted)"}),
-            "metadata": _nullable({"type": "object", "maxProperties": responses.MAX_METADATA_PAIRS,
-                                   "propertyNames": {"maxLength": responses.MAX_METADATA_KEY},
-                                   "additionalProperties": {"type": "string",
-                                                            "maxLength": responses.MAX_METADATA_VALUE}}),
+            "metadata": _metadata(),
             "user": _nullable({"type": "string", "maxLength": responses.MAX_USER_CHARS}),
             "model": _nullable(_STRING),
             "stream": {"enum": [False, None], "description": "Streaming is served over the WebSocket at /v1/responses"},
@@ -388,8 +385,14 @@ def _message() -> dict:
             "description": "developer is read as system; text parts are joined by newlines; name is not used"}
 
 
+def _metadata() -> dict:
+    return _nullable({"type": "object", "maxProperties": shapes.MAX_METADATA_PAIRS,
+                      "propertyNames": {"maxLength": shapes.MAX_METADATA_KEY},
+                      "additionalProperties": {"type": "string", "maxLength": shapes.MAX_METADATA_VALUE}})
+
+
 def _openai_common() -> dict:
-    return {"model": _nullable(_STRING), "user": _nullable(_STRING), "metadata": _nullable({"type": "object"}),
+    return {"model": _nullable(_STRING), "user": _nullable(_STRING), "metadata": _metadata(),
             "store": {"enum": [False, None], "description": "This server keeps no completions"},
             "stream": {"enum": [False, None], "description": "Streaming is served over the WebSocket at /ws"},
             **_not_implemented_fields()}

@@ -17,7 +17,7 @@ from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams, 
 from .api import run_one
 from .errors import ApiError, invalid_value, missing_field, unsupported_field
 from .response_store import StoredResponse
-from .schema import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
+from .schema import (CACHE_SALT, MAX_MESSAGES, metadata_field, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
                      content_text, read_json_body, sampling_fields, shown_name)
 from .state import lockstep
 
@@ -64,7 +64,6 @@ RESPONSES = RequestShape("/v1/responses", RESPONSE_FIELDS, aliases={"max_output_
                          keeps_responses=True)
 
 MAX_ID_LENGTH = 128
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_USER_CHARS = 256
 MAX_CONVERSATION_MESSAGES = 4 * MAX_MESSAGES  # a continued conversation, all turns (the context bounds it too)
 INPUT_PART_TYPES = ("input_text", "output_text")
@@ -251,23 +250,9 @@ def _response_format(text) -> dict | None:
 
 def _echoed_fields(body: dict) -> dict:
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_tokens"),
-            "metadata": _metadata(body.get("metadata")), "previous_response_id": body.get("previous_response_id"),
+            "metadata": metadata_field(body.get("metadata")), "previous_response_id": body.get("previous_response_id"),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "user": _user(body.get("user"))}
-
-
-def _metadata(value) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
-        raise invalid_value("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
-            raise invalid_value("metadata", f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
-                                            f"strings of at most {MAX_METADATA_VALUE}")
-        check_encodable(key, "metadata")
-        check_encodable(item, "metadata")
-    return value
 
 
 def _user(value) -> str | None:

@@ -16,6 +16,7 @@ from .errors import BODY_READ_ERRORS, ApiError, invalid_value, missing_field, un
 ROLES = ("system", "user", "assistant", "developer")
 ROLE_AS = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_MESSAGES = 256
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_PARAM_CHARS = 64  # a field name echoed back in an error (names are the client's: keep them short)
 STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
 
@@ -150,8 +151,25 @@ def _check_field(name: str, value, shape: RequestShape) -> None:
         raise unsupported_field("stream", shape.stream_hint)
     if name in ("model", "user") and value is not None and not isinstance(value, str):
         raise invalid_value(name, f"{name} must be a string")
+    if name == "metadata":
+        metadata_field(value)
     if name == "store" and value not in (None, False) and not shape.keeps_responses:
         raise unsupported_field("store", "store is not supported: this server keeps no completions (send false)")
+
+
+def metadata_field(value) -> dict:
+    """OpenAI's `metadata`: null, or at most 16 pairs of short strings (read for information only, or echoed)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise invalid_value("metadata", f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise invalid_value("metadata", f"metadata keys are at most {MAX_METADATA_KEY} characters and values "
+                                            f"strings of at most {MAX_METADATA_VALUE}")
+        check_encodable(key, "metadata")
+        check_encodable(item, "metadata")
+    return value
 
 
 def _resolve_aliases(body: dict, shape: RequestShape) -> dict:

@@ -376,4 +376,5 @@ MAX_CACHE_SALT_CHARS = 1024
 
 def _check_cache_salt(salt) -> None:
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
-        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+                             "cache_salt")

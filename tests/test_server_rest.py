@@ -89,6 +89,9 @@ def test_metrics_after_traffic(server):
     ("/generate", {"prompts": ["a", 3]}, 400, "prompts"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "x", "stream": True}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "metadata": "tag"}, 400, "metadata"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": 5}}, 400, "metadata"),
+    ("/basic_generate", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
 ])
 def test_bad_fields_get_an_openai_error_naming_the_field(server, path, body, status, param):
     got, _, answer = post(server, path, body)
