@@ -2,6 +2,7 @@
 socket's close code for a refused key) is rendered into the page from here, so static/ repeats none of it."""
 from flask import Blueprint, render_template
 from wsproto.frame_protocol import CloseReason
+
 from engine import BackendUnavailable, DeadlineExceeded, NotReady, Overloaded, RequestFailed, WorkerBusy, WorkerFailed
 
 from . import errors
