@@ -160,53 +160,6 @@ static inline __m128 block_scales(const uint8_t *block) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
 }
 
-/* COLUMNS columns x ROWS rows (COLUMNS > 1 only with one row): per (column, row) one float accumulator that each
- * block adds to in order, and one for Q4_1's minimum term (lane r of a vector for several rows, one float for one:
- * the same fused multiply-add), so every output is computed by the same operations whatever the tile. */
-static inline __attribute__((always_inline)) void tile(const struct quantized_x *x, int64_t row, const uint8_t *weight,
-                                                       int64_t row_bytes, float *out, int64_t n, const int FORMAT,
-                                                       const int COLUMNS, const int ROWS) {
-    const int64_t blocks = x->k / BLOCK, bytes = FORMAT == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-    const int8_t *xq = x->q + row * x->k;
-    const float *x_scale = x->scale + row * blocks, *x_sum = x->sum + row;
-    __m256 acc[4][8], minimum_rows[4];
-    __m128 minimum_one[4];
-    for (int c = 0; c < COLUMNS; c++) {
-        minimum_rows[c] = _mm256_setzero_ps();
-        minimum_one[c] = _mm_setzero_ps();
-        for (int r = 0; r < ROWS; r++) acc[c][r] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int c = 0; c < COLUMNS; c++) {
-            const uint8_t *block = weight + c * row_bytes + b * bytes;
-            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
-            __m256i w = load_weights(block, FORMAT);
-            __m128 scales = block_scales(block);
-            for (int r = 0; r < ROWS; r++) {
-                __m256i xs = _mm256_loadu_si256((const __m256i *)(xq + r * x->k + b * BLOCK));
-                __m256 scale = _mm256_broadcastss_ps(_mm_mul_ss(scales, _mm_load_ss(x_scale + r * blocks + b)));
-                acc[c][r] = _mm256_fmadd_ps(block_dot(w, xs, FORMAT), scale, acc[c][r]);
-            }
-            if (FORMAT == FORMAT_Q4_1) {
-                __m128 minimum = _mm_movehdup_ps(scales);
-                if (ROWS == 1)
-                    minimum_one[c] = _mm_fmadd_ss(minimum, _mm_load_ss(x_sum + b * x->m8), minimum_one[c]);
-                else /* rows past the tile read other rows' (or padding) sums, never used */
-                    minimum_rows[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(minimum),
-                                                      _mm256_loadu_ps(x_sum + b * x->m8), minimum_rows[c]);
-            }
-        }
-    }
-    for (int c = 0; c < COLUMNS; c++) {
-        float minimum[8];
-        if (ROWS == 1)
-            _mm_store_ss(minimum, minimum_one[c]);
-        else
-            _mm256_storeu_ps(minimum, minimum_rows[c]);
-        for (int r = 0; r < ROWS; r++) out[r * n + c] = sum_lanes(acc[c][r]) + minimum[r];
-    }
-}
-
 /* A block's 32 weights q_j (Q4_1's nibbles or Q8_0's int8) as four vectors of floats, in GGUF's order. */
 static inline void load_weights_float(const uint8_t *block, const int FORMAT, __m256 q[4]) {
     __m128i first, second;
@@ -228,14 +181,43 @@ static inline void load_weights_float(const uint8_t *block, const int FORMAT, __
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
 }
 
-/* `tile` on float32 activations: per block d * sum(q_j * x_j) (four FMAs per row), and Q4_1's m * sum(x) as
- * there; the weights' own numbers, so only the order of the sums differs from the dequantized float32 matmul. */
-static inline __attribute__((always_inline)) void tile_exact(const struct quantized_x *x, int64_t row,
-                                                             const uint8_t *weight, int64_t row_bytes, float *out,
-                                                             int64_t n, const int FORMAT, const int COLUMNS,
-                                                             const int ROWS) {
+/* One block of one column for ROWS rows, added to acc[0..ROWS): on 8-bit activations dw * dx * sum(q_w * q_x), an
+ * integer dot product; on float32 ones (EXACT) d * sum(q_j * x_j), four FMAs per row: the weights' own numbers,
+ * so only the order of the sums differs from the dequantized float32 matmul. */
+static inline __attribute__((always_inline)) void add_block(const struct quantized_x *x, int64_t row, int64_t b,
+                                                            const uint8_t *block, __m128 scales, __m256 *acc,
+                                                            const int FORMAT, const int ROWS, const int EXACT) {
+    const int64_t blocks = x->k / BLOCK;
+    if (EXACT) {
+        __m256 q[4];
+        load_weights_float(block, FORMAT, q);
+        __m256 scale = _mm256_broadcastss_ps(scales);
+        for (int r = 0; r < ROWS; r++) {
+            const float *xs = x->xf + (row + r) * x->k + b * BLOCK;
+            __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
+            dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xs + 8), dot);
+            dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xs + 16), dot);
+            dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xs + 24), dot);
+            acc[r] = _mm256_fmadd_ps(scale, dot, acc[r]);
+        }
+        return;
+    }
+    __m256i w = load_weights(block, FORMAT);
+    for (int r = 0; r < ROWS; r++) {
+        __m256i xs = _mm256_loadu_si256((const __m256i *)(x->q + (row + r) * x->k + b * BLOCK));
+        __m256 scale = _mm256_broadcastss_ps(_mm_mul_ss(scales, _mm_load_ss(x->scale + (row + r) * blocks + b)));
+        acc[r] = _mm256_fmadd_ps(block_dot(w, xs, FORMAT), scale, acc[r]);
+    }
+}
+
+/* COLUMNS columns x ROWS rows (COLUMNS > 1 only with one row): per (column, row) one float accumulator that each
+ * block adds to in order, and one for Q4_1's minimum term (lane r of a vector for several rows, one float for one:
+ * the same fused multiply-add), so every output is computed by the same operations whatever the tile. */
+static inline __attribute__((always_inline)) void tile(const struct quantized_x *x, int64_t row, const uint8_t *weight,
+                                                       int64_t row_bytes, float *out, int64_t n, const int FORMAT,
+                                                       const int COLUMNS, const int ROWS, const int EXACT) {
     const int64_t blocks = x->k / BLOCK, bytes = FORMAT == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-    const float *xf = x->xf + row * x->k, *x_sum = x->sum + row;
+    const float *x_sum = x->sum + row;
     __m256 acc[4][8], minimum_rows[4];
     __m128 minimum_one[4];
     for (int c = 0; c < COLUMNS; c++) {
@@ -247,23 +229,13 @@ static inline __attribute__((always_inline)) void tile_exact(const struct quanti
         for (int c = 0; c < COLUMNS; c++) {
             const uint8_t *block = weight + c * row_bytes + b * bytes;
             _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
-            __m256 q[4];
-            load_weights_float(block, FORMAT, q);
             __m128 scales = block_scales(block);
-            __m256 scale = _mm256_broadcastss_ps(scales);
-            for (int r = 0; r < ROWS; r++) {
-                const float *xs = xf + r * x->k + b * BLOCK;
-                __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
-                dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xs + 8), dot);
-                dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xs + 16), dot);
-                dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xs + 24), dot);
-                acc[c][r] = _mm256_fmadd_ps(scale, dot, acc[c][r]);
-            }
+            add_block(x, row, b, block, scales, acc[c], FORMAT, ROWS, EXACT);
             if (FORMAT == FORMAT_Q4_1) {
                 __m128 minimum = _mm_movehdup_ps(scales);
                 if (ROWS == 1)
                     minimum_one[c] = _mm_fmadd_ss(minimum, _mm_load_ss(x_sum + b * x->m8), minimum_one[c]);
-                else
+                else /* rows past the tile read other rows' (or padding) sums, never used */
                     minimum_rows[c] = _mm256_fmadd_ps(_mm256_broadcastss_ps(minimum),
                                                       _mm256_loadu_ps(x_sum + b * x->m8), minimum_rows[c]);
             }
@@ -280,31 +252,33 @@ static inline __attribute__((always_inline)) void tile_exact(const struct quanti
 }
 
 typedef void (*tile_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
-/* Tile functions by (kind, format, columns, rows): kind `tile` (8-bit activations) or `tile_exact`. */
-#define TILE(KIND, F, C, R)                                                                                         \
-    static void KIND##_##F##_##C##_##R(const struct quantized_x *x, int64_t row, const uint8_t *w, int64_t rb,     \
-                                       float *o, int64_t n) {                                                       \
-        KIND(x, row, w, rb, o, n, F, C, R);                                                                         \
+/* Tile functions by (activations: 1 float32, 0 8-bit; format; columns; rows). */
+#define TILE(E, F, C, R)                                                                                            \
+    static void tile_##E##_##F##_##C##_##R(const struct quantized_x *x, int64_t row, const uint8_t *w, int64_t rb, \
+                                           float *o, int64_t n) {                                                   \
+        tile(x, row, w, rb, o, n, F, C, R, E);                                                                      \
     }
-#define TILES(KIND, F)                                                                                              \
-    TILE(KIND, F, 4, 1) TILE(KIND, F, 1, 1) TILE(KIND, F, 1, 2) TILE(KIND, F, 1, 3) TILE(KIND, F, 1, 4)             \
-    TILE(KIND, F, 1, 5) TILE(KIND, F, 1, 6) TILE(KIND, F, 1, 7) TILE(KIND, F, 1, 8)                                 \
-    static const tile_fn ONE_COLUMN_##KIND##_##F[ROW_TILE + 1] = {                                                  \
-        0, KIND##_##F##_1_1, KIND##_##F##_1_2, KIND##_##F##_1_3, KIND##_##F##_1_4,                                  \
-        KIND##_##F##_1_5, KIND##_##F##_1_6, KIND##_##F##_1_7, KIND##_##F##_1_8};
-TILES(tile, 0) /* FORMAT_Q4_1 */
-TILES(tile, 1) /* FORMAT_Q8_0 */
-TILES(tile_exact, 0)
-TILES(tile_exact, 1)
+#define TILES(E, F)                                                                                                 \
+    TILE(E, F, 4, 1) TILE(E, F, 1, 1) TILE(E, F, 1, 2) TILE(E, F, 1, 3) TILE(E, F, 1, 4) TILE(E, F, 1, 5)          \
+    TILE(E, F, 1, 6) TILE(E, F, 1, 7) TILE(E, F, 1, 8)                                                              \
+    static const tile_fn ONE_COLUMN_##E##_##F[ROW_TILE + 1] = {0,                 tile_##E##_##F##_1_1,            \
+                                                               tile_##E##_##F##_1_2, tile_##E##_##F##_1_3,          \
+                                                               tile_##E##_##F##_1_4, tile_##E##_##F##_1_5,          \
+                                                               tile_##E##_##F##_1_6, tile_##E##_##F##_1_7,          \
+                                                               tile_##E##_##F##_1_8};
+TILES(0, 0) /* 8-bit activations, FORMAT_Q4_1 */
+TILES(0, 1) /* 8-bit activations, FORMAT_Q8_0 */
+TILES(1, 0) /* float32 activations */
+TILES(1, 1)
 
 /* Columns [first, last) for rows row..row+rows-1 (rows <= ROW_TILE); a lone row takes four columns at a time, so
  * that four chains of FMAs hide each other's latency. */
 static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
                              int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
-    const tile_fn *one_column = x->exact ? (format == FORMAT_Q4_1 ? ONE_COLUMN_tile_exact_0 : ONE_COLUMN_tile_exact_1)
-                                         : (format == FORMAT_Q4_1 ? ONE_COLUMN_tile_0 : ONE_COLUMN_tile_1);
-    const tile_fn four_columns = x->exact ? (format == FORMAT_Q4_1 ? tile_exact_0_4_1 : tile_exact_1_4_1)
-                                          : (format == FORMAT_Q4_1 ? tile_0_4_1 : tile_1_4_1);
+    static const tile_fn *const ONE_COLUMN[2][2] = {{ONE_COLUMN_0_0, ONE_COLUMN_0_1}, {ONE_COLUMN_1_0, ONE_COLUMN_1_1}};
+    static const tile_fn FOUR_COLUMNS[2][2] = {{tile_0_0_4_1, tile_0_1_4_1}, {tile_1_0_4_1, tile_1_1_4_1}};
+    const tile_fn *one_column = ONE_COLUMN[x->exact][format];
+    const tile_fn four_columns = FOUR_COLUMNS[x->exact][format];
     int64_t c = first;
     if (rows == 1)
         for (; c + 4 <= last; c += 4) four_columns(x, row, weight + c * row_bytes, row_bytes, out + c, n);
@@ -548,7 +522,7 @@ static struct quantized_x quantized_x_in(void *scratch, int64_t m, int64_t k) {
 static void matmul(int shared, const float *x, void *scratch, const uint8_t *weight, int format, float *out,
                    int64_t m, int64_t n, int64_t k, int exact) {
     struct quantized_x quantized = quantized_x_in(scratch, m, k);
-    quantized.exact = exact;
+    quantized.exact = exact != 0;
     quantize_rows(x, &quantized);
     /* About UNITS_PER_THREAD units per thread: units of few columns make the threads fight over the counter's
      * cache line (16-column units made a one-row step 30% slower than 64-column ones) */
