@@ -580,6 +580,24 @@ static void rotate_heads(float *token, int64_t heads, int64_t head_dim, const fl
     }
 }
 
+/* ---- Attention. A unit is one KV head of a chunk of tiles; a tile holds the query heads (at most TILE_QUERIES) of
+ * rows that attend to the same slot (one decode row's group, or neighbouring tokens of a prompt chunk) and a chunk
+ * the tiles of one slot. Keys and values are read POSITION_BLOCK positions at a time for the whole chunk, so a long
+ * prompt reads the cache from L2 a few times instead of from memory once per head and token. Every score is the
+ * same chain of FMAs over the head's dimensions in order, and every output lane the same chain over positions in
+ * order (kept in memory between blocks), whatever the tiles: a prompt chunked, whole or decoded computes the same
+ * bits. */
+#define TILE_QUERIES 6
+#define CHUNK_TILES 8
+#define POSITION_BLOCK 256
+
+struct query {
+    const float *q;  /* [head_dim] */
+    float *scores;   /* [length rounded up to 8], then the softmax weights */
+    float *out;      /* [head_dim] */
+    int64_t length;  /* it attends to positions 0..length-1 */
+};
+
 #if LOCKSTEP_AVX2
 /* expf for 8 lanes (Cephes' polynomial, ~1 ulp); exactly 0 below -87.3 (and for -inf). */
 static inline __m256 exp_avx2(__m256 x) {
@@ -596,12 +614,6 @@ static inline __m256 exp_avx2(__m256 x) {
     y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
     __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
-}
-
-static inline float dot(const float *a, const float *b, int64_t count) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int64_t i = 8; i < count; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return sum_lanes(acc);
 }
 
 /* scores[0..length) -> exp(score - max), padded with zeros to a multiple of 8; returns their sum. */
@@ -622,26 +634,96 @@ static float exponentiate(float *scores, int64_t length) {
     return sum_lanes(total);
 }
 
-/* out[0..head_dim) = sum over p of weights[p] * values[p] (head_dim % 8 == 0, <= 256). */
-static void weighted_sum(const float *weights, const float *values, int64_t length, int64_t head_dim, float *out) {
-    for (int64_t i = 0; i < head_dim; i += 64) {
-        int64_t width = head_dim - i < 64 ? (head_dim - i) / 8 : 8;
-        __m256 acc[8];
-        for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-        if (width == 8) /* the same FMAs as below, with the accumulators in registers */
-            for (int64_t p = 0; p < length; p++) {
-                __m256 weight = _mm256_broadcast_ss(weights + p);
-                const float *value = values + p * head_dim + i;
-                for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
+/* Scores of Q queries against positions from..to-1 (of each query's own positions or more), two positions per
+ * pass (independent chains of FMAs hide each other's latency). */
+static inline __attribute__((always_inline)) void scores_of_tile(const struct query *queries, const float *keys,
+                                                                 int64_t from, int64_t to, int64_t head_dim,
+                                                                 float scaling, const int Q) {
+    int64_t p = from;
+    for (; p + 2 <= to; p += 2) {
+        const float *first = keys + p * head_dim, *second = first + head_dim;
+        __m256 a[TILE_QUERIES], b[TILE_QUERIES];
+        for (int q = 0; q < Q; q++) a[q] = b[q] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m256 k0 = _mm256_loadu_ps(first + i), k1 = _mm256_loadu_ps(second + i);
+            for (int q = 0; q < Q; q++) {
+                __m256 x = _mm256_loadu_ps(queries[q].q + i);
+                a[q] = _mm256_fmadd_ps(x, k0, a[q]);
+                b[q] = _mm256_fmadd_ps(x, k1, b[q]);
             }
-        else
-            for (int64_t p = 0; p < length; p++) {
-                __m256 weight = _mm256_broadcast_ss(weights + p);
-                const float *value = values + p * head_dim + i;
-                for (int v = 0; v < width; v++)
-                    acc[v] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * v), acc[v]);
-            }
-        for (int v = 0; v < width; v++) _mm256_storeu_ps(out + i + 8 * v, acc[v]);
+        }
+        for (int q = 0; q < Q; q++) {
+            queries[q].scores[p] = sum_lanes(a[q]) * scaling;
+            queries[q].scores[p + 1] = sum_lanes(b[q]) * scaling;
+        }
+    }
+    for (; p < to; p++) {
+        const float *key = keys + p * head_dim;
+        __m256 a[TILE_QUERIES];
+        for (int q = 0; q < Q; q++) a[q] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m256 k = _mm256_loadu_ps(key + i);
+            for (int q = 0; q < Q; q++) a[q] = _mm256_fmadd_ps(_mm256_loadu_ps(queries[q].q + i), k, a[q]);
+        }
+        for (int q = 0; q < Q; q++) queries[q].scores[p] = sum_lanes(a[q]) * scaling;
+    }
+}
+
+/* Adds positions from..to-1 (clipped to each query's length) to dimensions i..i+8*WIDTH of each query's sum of
+ * weights[p] * values[p], started at 0 when from is 0, else continued from `out`: the positions all queries have
+ * at once (each value read once), then each query's own. */
+static inline __attribute__((always_inline)) void sums_of_tile(const struct query *queries, int64_t from,
+                                                               int64_t to, int64_t common, const float *values,
+                                                               int64_t head_dim, int64_t i, const int Q,
+                                                               const int WIDTH) {
+    const int64_t shared_to = common < from ? from : common < to ? common : to;
+    __m256 acc[TILE_QUERIES][4];
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < WIDTH; w++)
+            acc[q][w] = from ? _mm256_loadu_ps(queries[q].out + i + 8 * w) : _mm256_setzero_ps();
+    for (int64_t p = from; p < shared_to; p++) {
+        const float *value = values + p * head_dim + i;
+        __m256 v[4];
+        for (int w = 0; w < WIDTH; w++) v[w] = _mm256_loadu_ps(value + 8 * w);
+        for (int q = 0; q < Q; q++) {
+            __m256 weight = _mm256_broadcast_ss(queries[q].scores + p);
+            for (int w = 0; w < WIDTH; w++) acc[q][w] = _mm256_fmadd_ps(weight, v[w], acc[q][w]);
+        }
+    }
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < WIDTH; w++) _mm256_storeu_ps(queries[q].out + i + 8 * w, acc[q][w]);
+    for (int q = 0; q < Q; q++) { /* the same chains, continued in memory (the registers stay the shared loop's) */
+        const int64_t own_to = queries[q].length < to ? queries[q].length : to;
+        float *out = queries[q].out + i;
+        for (int64_t p = shared_to; p < own_to; p++) {
+            __m256 weight = _mm256_broadcast_ss(queries[q].scores + p);
+            for (int w = 0; w < WIDTH; w++)
+                _mm256_storeu_ps(out + 8 * w, _mm256_fmadd_ps(weight, _mm256_loadu_ps(values + p * head_dim + i + 8 * w),
+                                                              _mm256_loadu_ps(out + 8 * w)));
+        }
+    }
+}
+
+#define SCORES_CASE(Q) case Q: scores_of_tile(queries, keys, from, to, head_dim, scaling, Q); break;
+#define SUMS_CASE(Q, W) case 8 * Q + W: sums_of_tile(queries, from, to, common, values, head_dim, i, Q, W); break;
+#define SUMS_CASES(Q) SUMS_CASE(Q, 1) SUMS_CASE(Q, 2) SUMS_CASE(Q, 4)
+
+static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling) {
+    switch (count) { SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6) }
+}
+
+/* Positions from..to-1 of each query's attended values (head_dim % 8 == 0). Few queries take 32 dimensions a
+ * pass, more take 16 (their accumulators fill the registers either way). */
+static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim) {
+    for (int64_t i = 0; i < head_dim;) {
+        int64_t left = (head_dim - i) / 8;
+        int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        switch (8 * count + width) {
+            SUMS_CASES(1) SUMS_CASES(2) SUMS_CASES(3) SUMS_CASES(4) SUMS_CASES(5) SUMS_CASES(6)
+        }
+        i += 8 * width;
     }
 }
 #else
@@ -659,10 +741,23 @@ static float exponentiate(float *scores, int64_t length) {
     return total;
 }
 
-static void weighted_sum(const float *weights, const float *values, int64_t length, int64_t head_dim, float *out) {
-    for (int64_t i = 0; i < head_dim; i++) out[i] = 0;
-    for (int64_t p = 0; p < length; p++)
-        for (int64_t i = 0; i < head_dim; i++) out[i] += weights[p] * values[p * head_dim + i];
+static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling) {
+    for (int q = 0; q < count; q++)
+        for (int64_t p = from; p < to && p < queries[q].length; p++)
+            queries[q].scores[p] = dot(queries[q].q, keys + p * head_dim, head_dim) * scaling;
+}
+
+static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim) {
+    (void)common;
+    for (int q = 0; q < count; q++) {
+        float *out = queries[q].out;
+        if (!from)
+            for (int64_t i = 0; i < head_dim; i++) out[i] = 0;
+        for (int64_t p = from; p < to && p < queries[q].length; p++)
+            for (int64_t i = 0; i < head_dim; i++) out[i] += queries[q].scores[p] * values[p * head_dim + i];
+    }
 }
 #endif
 
@@ -671,90 +766,93 @@ struct attention_job {
     const float *keys, *values; /* one layer's slots [slots, kv_heads, capacity, head_dim] */
     float *out;                 /* [rows, heads * head_dim] */
     const int64_t *slots, *lengths;
+    const int64_t *tiles, *chunks; /* tile t: rows tiles[t]..tiles[t + 1]-1; chunk c: tiles chunks[c].. */
     int64_t kv_heads, group, capacity, head_dim, qkv_width;
     float scaling;
-    float *scratch; /* group * (capacity + 8) floats per unit */
+    float *scratch; /* capacity + 8 floats per row and query head */
 };
 
-/* Scores of the group's query heads (queries[g * head_dim..]) against positions 0..length-1, scaled: each key is
- * read once for the whole group. scores: group rows of `stride` floats. */
-#if LOCKSTEP_AVX2
-/* `group_scores` for a group size the compiler knows (its accumulators in registers), two positions at a time
- * for GROUP <= 4 (independent chains of FMAs hide each other's latency); each score is the same chain of FMAs over
- * the head's dimensions in order, however many positions a pass takes. */
-static inline __attribute__((always_inline)) void scores_of_group(const float *queries, const float *keys,
-                                                                  int64_t length, int64_t head_dim, float scaling,
-                                                                  float *scores, int64_t stride, const int GROUP) {
-    int64_t p = 0;
-    for (; GROUP <= 4 && p + 2 <= length; p += 2) {
-        const float *first = keys + p * head_dim, *second = first + head_dim;
-        __m256 a[4], b[4];
-        for (int g = 0; g < GROUP; g++) a[g] = b[g] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m256 k0 = _mm256_loadu_ps(first + i), k1 = _mm256_loadu_ps(second + i);
-            for (int g = 0; g < GROUP; g++) {
-                __m256 q = _mm256_loadu_ps(queries + g * head_dim + i);
-                a[g] = _mm256_fmadd_ps(q, k0, a[g]);
-                b[g] = _mm256_fmadd_ps(q, k1, b[g]);
+struct query_set {
+    struct query queries[TILE_QUERIES];
+    int count;
+    int64_t longest, common;
+};
+
+#define MAX_SETS (CHUNK_TILES * 2) /* a tile's heads fill at most two sets (group <= 8 heads, or <= 6 rows' heads) */
+
+/* The chunk's query heads for one KV head, TILE_QUERIES at a time; returns how many sets. */
+static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv_head, struct query_set *sets) {
+    const int64_t heads = job->kv_heads * job->group, stride = job->capacity + 8, head_dim = job->head_dim;
+    int count = 0;
+    for (int64_t tile = job->chunks[chunk]; tile < job->chunks[chunk + 1]; tile++) {
+        sets[count].count = 0;
+        for (int64_t row = job->tiles[tile]; row < job->tiles[tile + 1]; row++)
+            for (int64_t head = kv_head * job->group; head < (kv_head + 1) * job->group; head++) {
+                struct query_set *set = &sets[count];
+                if (set->count == TILE_QUERIES) (set = &sets[++count])->count = 0;
+                set->queries[set->count++] = (struct query){job->qkv + row * job->qkv_width + head * head_dim,
+                                                            job->scratch + (row * heads + head) * stride,
+                                                            job->out + (row * heads + head) * head_dim,
+                                                            job->lengths[row]};
             }
-        }
-        for (int g = 0; g < GROUP; g++) {
-            scores[g * stride + p] = sum_lanes(a[g]) * scaling;
-            scores[g * stride + p + 1] = sum_lanes(b[g]) * scaling;
+        count++;
+    }
+    for (int s = 0; s < count; s++) {
+        sets[s].longest = 0, sets[s].common = INT64_MAX;
+        for (int q = 0; q < sets[s].count; q++) {
+            int64_t length = sets[s].queries[q].length;
+            sets[s].longest = length > sets[s].longest ? length : sets[s].longest;
+            sets[s].common = length < sets[s].common ? length : sets[s].common;
         }
     }
-    for (; p < length; p++) {
-        const float *key = keys + p * head_dim;
-        __m256 acc[8];
-        for (int g = 0; g < GROUP; g++) acc[g] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m256 k = _mm256_loadu_ps(key + i);
-            for (int g = 0; g < GROUP; g++)
-                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + g * head_dim + i), k, acc[g]);
-        }
-        for (int g = 0; g < GROUP; g++) scores[g * stride + p] = sum_lanes(acc[g]) * scaling;
-    }
-}
-#endif
-
-static void group_scores(const float *queries, int64_t group, const float *keys, int64_t length, int64_t head_dim,
-                         float scaling, float *scores, int64_t stride) {
-#if LOCKSTEP_AVX2
-    switch (group) { /* Q4Stack takes groups of at most 8 */
-    case 1: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 1); break;
-    case 2: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 2); break;
-    case 3: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 3); break;
-    case 4: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 4); break;
-    case 5: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 5); break;
-    case 6: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 6); break;
-    case 7: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 7); break;
-    default: scores_of_group(queries, keys, length, head_dim, scaling, scores, stride, 8); break;
-    }
-#else
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t p = 0; p < length; p++)
-            scores[g * stride + p] = dot(queries + g * head_dim, keys + p * head_dim, head_dim) * scaling;
-#endif
+    return count;
 }
 
-/* One (row, KV head) unit: the group's query heads over positions 0..length-1 of the row's slot; the same
- * operations for a row whatever the other rows (a decode step's rows, or a prompt chunk's tokens). */
+/* One (chunk, KV head) unit: softmax(q . k * scaling) . v for each query head of the chunk's rows. */
 static void attention_unit(const void *context, int64_t unit) {
     const struct attention_job *job = context;
-    const int64_t row = unit / job->kv_heads, kv_head = unit % job->kv_heads, head_dim = job->head_dim;
-    const int64_t length = job->lengths[row], slot = job->slots[row], stride = job->capacity + 8;
-    const float *keys = job->keys + (slot * job->kv_heads + kv_head) * job->capacity * head_dim;
-    const float *values = job->values + (slot * job->kv_heads + kv_head) * job->capacity * head_dim;
-    float *scores = job->scratch + unit * job->group * stride;
-    const float *queries = job->qkv + row * job->qkv_width + kv_head * job->group * head_dim;
-    group_scores(queries, job->group, keys, length, head_dim, job->scaling, scores, stride);
-    for (int64_t g = 0; g < job->group; g++) {
-        float *weights = scores + g * stride;
-        float inverse = 1.0f / exponentiate(weights, length);
-        for (int64_t p = 0; p < length; p++) weights[p] *= inverse;
-        weighted_sum(weights, values, length, head_dim,
-                     job->out + row * job->group * job->kv_heads * head_dim + (kv_head * job->group + g) * head_dim);
+    const int64_t chunk = unit / job->kv_heads, kv_head = unit % job->kv_heads, head_dim = job->head_dim;
+    const int64_t at = (job->slots[job->tiles[job->chunks[chunk]]] * job->kv_heads + kv_head) * job->capacity * head_dim;
+    const float *keys = job->keys + at, *values = job->values + at;
+    struct query_set sets[MAX_SETS];
+    const int count = query_sets(job, chunk, kv_head, sets);
+    int64_t longest = 0;
+    for (int s = 0; s < count; s++) longest = sets[s].longest > longest ? sets[s].longest : longest;
+    for (int64_t from = 0; from < longest; from += POSITION_BLOCK)
+        for (int s = 0; s < count; s++)
+            if (from < sets[s].longest) {
+                int64_t to = from + POSITION_BLOCK < sets[s].longest ? from + POSITION_BLOCK : sets[s].longest;
+                scores(sets[s].queries, sets[s].count, keys, from, to, head_dim, job->scaling);
+            }
+    for (int s = 0; s < count; s++)
+        for (int q = 0; q < sets[s].count; q++) {
+            float *weights = sets[s].queries[q].scores;
+            int64_t length = sets[s].queries[q].length;
+            float inverse = 1.0f / exponentiate(weights, length);
+            for (int64_t p = 0; p < length; p++) weights[p] *= inverse;
+        }
+    for (int64_t from = 0; from < longest; from += POSITION_BLOCK)
+        for (int s = 0; s < count; s++)
+            if (from < sets[s].longest)
+                weighted_sums(sets[s].queries, sets[s].count, values, from, from + POSITION_BLOCK, sets[s].common,
+                              head_dim);
+}
+
+/* Tiles of the rows (neighbouring positions of one slot, up to TILE_QUERIES query heads each) and chunks of the
+ * tiles (up to CHUNK_TILES of one slot); returns how many chunks. tiles: rows + 1 entries, chunks: rows + 1. */
+static int64_t attention_chunks(const int64_t *slots, const int64_t *positions, int64_t rows, int64_t group,
+                                int64_t *tiles, int64_t *chunks) {
+    const int64_t rows_per_tile = group < TILE_QUERIES ? TILE_QUERIES / group : 1;
+    int64_t tile_count = 0, chunk_count = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int next_to = r > 0 && slots[r] == slots[r - 1] && positions[r] == positions[r - 1] + 1;
+        if (!next_to || r - tiles[tile_count - 1] == rows_per_tile) {
+            if (!next_to || tile_count - chunks[chunk_count - 1] == CHUNK_TILES) chunks[chunk_count++] = tile_count;
+            tiles[tile_count++] = r;
+        }
     }
+    tiles[tile_count] = rows, chunks[chunk_count] = tile_count;
+    return chunk_count;
 }
 
 /* SwiGLU's product, silu(gate) * up (gate first in each row of gate_up). */
@@ -797,7 +895,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     const int64_t widest = width > intermediate ? width : intermediate;
     float *normed = malloc(floats * sizeof(float) + 64);
     float *scratch = malloc(rows * heads * (capacity + 8) * sizeof(float) + 64);
-    int64_t *lengths = malloc(rows * sizeof(int64_t) + 8);
+    int64_t *lengths = malloc((3 * rows + 2) * sizeof(int64_t) + 8), *tiles = lengths + rows, *chunks = tiles + rows + 1;
     void *quantized = malloc(quantized_x_bytes(rows, widest > attended_width ? widest : attended_width));
     if (!normed || !scratch || !lengths || !quantized) {
         free(normed), free(scratch), free(lengths), free(quantized);
@@ -808,6 +906,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     float *activated = gate_up + rows * 2 * intermediate;
     int64_t attended_positions = 0;
     for (int64_t r = 0; r < rows; r++) attended_positions += lengths[r] = positions[r] + 1;
+    const int64_t chunk_count = attention_chunks(slots, positions, rows, group, tiles, chunks);
     int shared = begin_shared(helpers);
     /* attention over few positions takes less time than handing it out (a wait for the helpers' last unit) */
     int share_attention = shared && attended_positions * heads * head_dim >= SHARED_ATTENTION_MACS;
@@ -824,9 +923,10 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                 memcpy(values[layer] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
             }
         }
-        struct attention_job attention = {qkv, keys[layer], values[layer], attended, slots, lengths, kv_heads, group,
-                                          capacity, head_dim, qkv_width, scaling, scratch};
-        run_units(share_attention, attention_unit, &attention, rows * kv_heads);
+        struct attention_job attention = {qkv,     keys[layer], values[layer], attended, slots,     lengths, tiles,
+                                          chunks,  kv_heads,    group,         capacity, head_dim,  qkv_width,
+                                          scaling, scratch};
+        run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
         matmul(shared, attended, quantized, w[2], FORMAT_Q4_1, projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
