@@ -1,5 +1,6 @@
 """The Flask application factory: settings, engine, blueprints, error handlers, request hooks."""
 import logging
+from typing import Callable, TypeVar
 
 from flask import Flask
 
@@ -10,9 +11,12 @@ from . import api, openapi, ops, pages, responses, responses_ws, sockets, ws
 from .errors import register_error_handlers
 from .guards import register_guards
 from .metrics import ServerMetrics
-from .state import EXTENSION_KEY, AppState, ServerSettings
+from .settings import ServerSettings
+from .state import EXTENSION_KEY, AppState
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STARTUP_FAILURE_EXIT_CODE = 3  # gunicorn's "worker failed to boot": the master stops instead of respawning
 
@@ -23,11 +27,8 @@ def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.config.from_mapping(START_ENGINE=True, WAIT_FOR_MODEL=False)
     app.config.update(config or {})
-    try:
-        engine_config = app.config.get("ENGINE") or EngineConfig.from_env()
-        settings = app.config.get("SETTINGS") or ServerSettings.from_env()
-    except ValueError as exc:
-        raise _startup_failure(f"bad configuration: {exc}") from None
+    engine_config = app.config.get("ENGINE") or _configured(EngineConfig.from_env)
+    settings = app.config.get("SETTINGS") or settings_from_env()
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1  # read_json_body refuses the extra byte
 
     metrics = ServerMetrics()
@@ -46,6 +47,18 @@ def create_app(config: dict | None = None) -> Flask:
         except (BackendUnavailable, ModelNotFound, WorkerFailed) as exc:  # WorkerFailed: the model did not load
             raise _startup_failure(str(exc)) from None
     return app
+
+
+def settings_from_env() -> ServerSettings:
+    """The HTTP side's settings (gunicorn.conf.py reads them too); a bad value stops the server with one line."""
+    return _configured(ServerSettings.from_env)
+
+
+def _configured(read_settings: Callable[[], T]) -> T:
+    try:
+        return read_settings()
+    except ValueError as exc:
+        raise _startup_failure(f"bad configuration: {exc}") from None
 
 
 def _startup_failure(message: str) -> SystemExit:

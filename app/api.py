@@ -13,10 +13,10 @@ from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage
 
-from .choices import chat_choices, completion_choices, sample_choices
+from .answer_shaping import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
-from .schema import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts, messages_field,
-                     prompt_field, prompts_field, read_json_body, sampling_fields)
+from .request_parsing import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts,
+                              messages_field, prompt_field, prompts_field, read_json_body, sampling_fields)
 from .state import lockstep
 
 logger = logging.getLogger(__name__)

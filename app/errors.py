@@ -21,6 +21,12 @@ MISSING_FIELD = "missing_field"  # a required field is absent (or null)
 INVALID_VALUE = "invalid_value"  # a field of the wrong type, out of range, empty, unknown role...
 UNSUPPORTED_FIELD = "unsupported_field"  # a field this server does not implement (refused, never ignored)
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt (plus max_tokens) does not fit the context
+# Authentication answers 401 with one of these: no key where one is required, or a wrong one.
+AUTH_REQUIRED = "auth_required"  # a /ws socket's first frame is not an auth frame
+INVALID_API_KEY = "invalid_api_key"
+# A bug answers 500 with this code and message, never more (the details go to the log).
+INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE = "internal_error", "internal server error"
+FAILED_OUTPUT_MESSAGE = "generation failed"  # an output the engine failed without saying why
 # The engine's generic InvalidRequest code, as the app answers it.
 _VALIDATION_CODES = {"invalid_request": INVALID_VALUE}
 
@@ -70,7 +76,8 @@ def from_failed_output(output) -> ApiError:
     """A request the engine finished with `error` (worker failure, deadline, shutdown): the same error on REST and
     WS, its status chosen by the output's error code."""
     code = output.error_code or "worker_failed"
-    return ApiError(_STATUS_BY_CODE.get(code, 500), output.error or "generation failed", code, type_="server_error")
+    status = _STATUS_BY_CODE.get(code, 500)
+    return ApiError(status, output.error or FAILED_OUTPUT_MESSAGE, code, type_="server_error")
 
 
 def error_response(error: ApiError):
@@ -110,4 +117,4 @@ def _http_error(exc: HTTPException):
 def _internal_error(exc):
     original = getattr(exc, "original_exception", exc)
     logger.error("unhandled error: %r", original, exc_info=original)
-    return error_response(ApiError(500, "internal server error", "internal_error", type_="server_error"))
+    return error_response(ApiError(500, INTERNAL_ERROR_MESSAGE, INTERNAL_ERROR, type_="server_error"))

@@ -8,8 +8,9 @@ from urllib.parse import urlsplit
 
 from flask import g, request
 
-from .errors import ApiError, error_response
-from .state import is_loopback_host, lockstep
+from .errors import INVALID_API_KEY, ApiError, error_response
+from .settings import is_loopback_host
+from .state import lockstep
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ def _refuse_while_draining():
 
 def _check_api_key():
     """REST needs `Authorization: Bearer <key>`. The socket may send it on the handshake too; browsers cannot,
-    so without the header /ws authenticates with its first frame (app/ws.py). The Responses socket takes the
-    key from the handshake only, as OpenAI's SDK sends it."""
+    so without the header /ws authenticates with its first frame (app/ws_session.py). The Responses socket takes
+    the key from the handshake only, as OpenAI's SDK sends it."""
     key = lockstep().settings.api_key
     g.is_authenticated = not key
     if request.method == "OPTIONS" or not key or request.endpoint in OPEN_ENDPOINTS:
@@ -81,7 +82,7 @@ def _check_api_key():
         g.is_authenticated = True
         return None
     return error_response(ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
-                                   "invalid_api_key", type_="authentication_error"))
+                                   INVALID_API_KEY, type_="authentication_error"))
 
 
 def bearer_token(header: str) -> str | None:

@@ -9,7 +9,6 @@ LOCKSTEP_BODY_TIMEOUT_S of the headers (408 otherwise). The replies gunicorn wri
 """
 import json
 import logging
-import os
 import socket
 import time
 
@@ -17,10 +16,10 @@ from gunicorn import http
 from gunicorn.workers.gthread import ThreadWorker
 from werkzeug.exceptions import RequestTimeout
 
+from .state import EXTENSION_KEY, AppState
+
 logger = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = float(os.environ.get("LOCKSTEP_HEADER_TIMEOUT_S", "10"))
-BODY_TIMEOUT_S = float(os.environ.get("LOCKSTEP_BODY_TIMEOUT_S", "30"))
 MAX_MESSAGE_CHARS = 200
 
 
@@ -61,8 +60,11 @@ class DeadlineReader:
 
 
 class LockstepWorker(ThreadWorker):
+    app_state: AppState | None = None  # once the app is loaded: its settings, and what gunicorn.conf.py drains
+
     def load_wsgi(self):
         super().load_wsgi()
+        self.app_state = self.wsgi.extensions[EXTENSION_KEY]
         self.wsgi = honour_connection_close(self.wsgi)
 
     def handle(self, conn):
@@ -70,7 +72,7 @@ class LockstepWorker(ThreadWorker):
             conn.parser = http.get_parser(self.cfg, DeadlineReader(conn.sock), conn.client)
         reader = _deadline_reader(conn)
         if reader is not None:
-            reader.deadline = time.monotonic() + HEADER_TIMEOUT_S
+            reader.deadline = time.monotonic() + self.app_state.settings.header_timeout_s
         try:
             return super().handle(conn)
         finally:
@@ -80,7 +82,7 @@ class LockstepWorker(ThreadWorker):
     def handle_request(self, req, conn):
         reader = _deadline_reader(conn)
         if reader is not None:
-            reader.deadline = time.monotonic() + BODY_TIMEOUT_S
+            reader.deadline = time.monotonic() + self.app_state.settings.body_timeout_s
         try:
             return super().handle_request(req, conn)
         finally:
@@ -156,5 +158,4 @@ def honour_connection_close(app):
 
         return app(environ, start)
 
-    wrapped.__wrapped__ = app  # gunicorn.conf.py finds the Flask app (and its state) behind it
     return wrapped

@@ -1,5 +1,6 @@
 """GET /openapi.json: an OpenAPI 3.1 description of what this server does, built from the same lists the server
-checks requests against (app/schema.py) and the limits of the running instance (stop strings, prompts per call).
+checks requests against (app/request_parsing.py) and the limits of the running instance (stop strings, prompts per
+call).
 
 Request bodies are closed (`additionalProperties: false`): the server refuses any other field. Responses are open:
 they list what is always there. tests/test_openapi.py runs schemathesis against the live server with this document.
@@ -9,8 +10,8 @@ from flask import Blueprint, jsonify
 from engine import (MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY,
                     MAX_SCHEMA_NAME_LENGTH, MAX_SEED, MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
 
+from . import request_parsing as shapes
 from . import responses
-from . import schema as shapes
 from .state import AppState, lockstep
 
 bp = Blueprint("openapi", __name__)

@@ -15,6 +15,7 @@ PAGE_LIMITS = ("max_model_len", "max_stop_strings", "max_stop_length", "max_prom
 # Errors about the request itself (a limit, a bad value): the page shows the server's own message.
 USER_MESSAGE_CODES = (errors.MISSING_FIELD, errors.INVALID_VALUE, errors.UNSUPPORTED_FIELD,
                       errors.CONTEXT_LENGTH_EXCEEDED)
+NEEDS_API_KEY_TEXT = "The server needs an API key: enter it under Settings."
 # Every other error gets a plain sentence: its message is written for operators and can carry internals.
 ERROR_TEXTS = {
     Overloaded.code: "The server is busy with other requests. Try again in a moment.",
@@ -24,9 +25,9 @@ ERROR_TEXTS = {
     BackendUnavailable.code: "This server cannot run its model backend.",
     DeadlineExceeded.code: "The answer took too long and was cut off.",
     RequestFailed.code: "The answer failed on the server. Try again.",
-    "auth_required": "The server needs an API key: enter it under Settings.",
-    "invalid_api_key": "The API key was not accepted: check it under Settings.",
-    "unauthorized": "The server needs an API key: enter it under Settings.",
+    errors.AUTH_REQUIRED: NEEDS_API_KEY_TEXT,
+    errors.INVALID_API_KEY: "The API key was not accepted: check it under Settings.",
+    "unauthorized": NEEDS_API_KEY_TEXT,  # werkzeug's 401
 }
 # After these the model may be gone for a while: the page asks GET /ready again before it unlocks Send.
 RECHECK_READY_CODES = (NotReady.code, WorkerFailed.code, WorkerBusy.code)

@@ -15,10 +15,11 @@ from flask import Blueprint, jsonify, request
 from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams, check_encodable
 
 from .api import run_one
-from .errors import ApiError, invalid_value, missing_field, unsupported_field
+from .errors import FAILED_OUTPUT_MESSAGE, ApiError, invalid_value, missing_field, unsupported_field
+from .request_parsing import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape,
+                              check_conversation, content_text, metadata_field, read_json_body, sampling_fields,
+                              shown_name)
 from .response_store import StoredResponse
-from .schema import (CACHE_SALT, MAX_MESSAGES, metadata_field, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape, check_conversation,
-                     content_text, read_json_body, sampling_fields, shown_name)
 from .state import lockstep
 
 logger = logging.getLogger(__name__)
@@ -334,7 +335,7 @@ def _incomplete_details(output: RequestOutput | None) -> dict | None:
 def _error(output: RequestOutput | None) -> dict | None:
     if output is None or output.finish_reason is not FinishReason.ERROR:
         return None
-    return {"code": output.error_code or "server_error", "message": output.error or "generation failed"}
+    return {"code": output.error_code or "server_error", "message": output.error or FAILED_OUTPUT_MESSAGE}
 
 
 # -- conversation state -------------------------------------------------------------------------------------------

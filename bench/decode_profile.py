@@ -2,12 +2,14 @@
 
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
     python -m bench.decode_profile --paths [--compile]
+    python -m bench.decode_profile --prefill
 
 A served token costs one decode step, so these tables decide the backend's forward and its kernels. By default: ms
 per step for each design of the step (from the one the backend started from to lockstep's kernels in one C call
 with their helper thread), the layer-by-layer steps split into their parts, and the per-token costs outside the
 forward, all in one process so that the ratios compare even on a busy machine. --paths: one step's weight matmuls
-on every way this host offers to compute them. Times are wall-clock medians beside the process CPU time (a much
+on every way this host offers to compute them. --prefill: a prompt chunk on the 4-bit path at the start of a
+prompt and deep in one (what a multi-turn chat's next turn prefills after its cached history). Times are wall-clock medians beside the process CPU time (a much
 lower CPU time: other processes held the cores). The tables and what they showed: docs/benchmarks.md.
 """
 import argparse
@@ -23,10 +25,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from engine import EngineConfig
-from engine.backends import fast_decode
-from engine.backends.fast_decode import FastDecoder
+from engine.backends import fast_forward
+from engine.backends.bf16 import load_bf16_kernels
+from engine.backends.fast_forward import FastDecoder
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
-from engine.backends.native import load_bf16_kernels
 from engine.backends.sampler import TokenSampler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.executor import ModelExecutor
@@ -124,10 +126,10 @@ def step_table(model, decoders: list[tuple[str, FastDecoder]], num_steps: int, s
 
 
 PARTS = {  # what is timed: (owner, attribute) wrapped with a wall-clock accumulator
-    "weight matmuls (4 per layer + lm_head)": (fast_decode.Linear, "__call__"),
+    "weight matmuls (4 per layer + lm_head)": (fast_forward.Linear, "__call__"),
     "attention (one query per row over its slot)": (FastDecoder, "_attention"),
     "KV cache writes": (SlotKVCache, "update"),
-    "rotary embedding": (fast_decode, "_rotate"),
+    "rotary embedding": (fast_forward, "_rotate"),
 }
 
 
@@ -232,6 +234,34 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
     return rows
 
 
+PREFILL_CHUNK = 160
+PREFILL_DEPTHS = (0, 800, 1700)
+
+
+def prefill_table(model, num_steps: int) -> list[str]:
+    """ms for a PREFILL_CHUNK-token prompt chunk on the 4-bit path after PREFILL_DEPTHS cached positions."""
+    from engine.backends.q4 import Q4Weights, load_q4_kernels
+    from engine.model_store import gguf_of
+
+    weights = Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), model.config)
+    weights.give_model_the_same_weights(model)
+    ids = torch.randint(100, 20000, (max(PREFILL_DEPTHS) + PREFILL_CHUNK,), generator=torch.Generator().manual_seed(0))
+    rows = [f"| {PREFILL_CHUNK}-token prompt chunk, ms | " + " | ".join(f"after {d} positions" for d in PREFILL_DEPTHS)
+            + " |", "|---|" + "---:|" * len(PREFILL_DEPTHS)]
+    for exact in (False, True):
+        helpers = (os.cpu_count() or 1) - 1
+        kernels = load_q4_kernels(EngineConfig().cache_dir, helpers, exact)
+        if kernels is None:
+            continue
+        decoder = FastDecoder(model, q4=(kernels, weights))
+        cache = decoder.new_prompt_cache(len(ids))
+        decoder.prefill(ids[:max(PREFILL_DEPTHS)], 0, cache)
+        cells = [f"{timed(lambda d=d: decoder.prefill(ids[d:d + PREFILL_CHUNK], d, cache), num_steps)[0]:.0f}"
+                 for d in PREFILL_DEPTHS]
+        rows.append(f"| {'float32' if exact else '8-bit'} activations, {helpers + 1} thread(s) | {' | '.join(cells)} |")
+    return rows
+
+
 PATH_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "asimd", "bf16"}
 
 
@@ -273,6 +303,7 @@ def main() -> None:
     parser.add_argument("--skip-before", action="store_true", help="only the slot cache in table 1")
     parser.add_argument("--paths", action="store_true", help="the weight matmuls on every path this host offers")
     parser.add_argument("--compile", action="store_true", help="with --paths: also inductor's int8 matmul")
+    parser.add_argument("--prefill", action="store_true", help="a prompt chunk on the 4-bit path, shallow and deep")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model_path = resolve_model(EngineConfig())
@@ -281,6 +312,11 @@ def main() -> None:
         with torch.inference_mode():
             config_only = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             print("\n".join(paths_table(config_only, args.steps, args.compile)))
+        return
+    if args.prefill:
+        with torch.inference_mode():
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+            print("\n".join(prefill_table(model, args.steps)))
         return
     # Side costs first: the executor forks a worker, which must happen before this process starts torch threads.
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()

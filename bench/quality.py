@@ -13,7 +13,7 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.backends.fast_decode import FastDecoder
+from engine.backends.fast_forward import FastDecoder
 from engine.backends.kv_cache import use_slot_attention
 from engine.backends.q4 import Q4Weights, load_q4_kernels
 from engine.config import EngineConfig

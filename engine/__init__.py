@@ -4,23 +4,24 @@
     for text in engine.submit("Hello", SamplingParams(max_tokens=32)):
         ...
 """
-from .backends.constrained import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
-from .config import EngineConfig
+from .config import EngineConfig, dataclass_from_env
 from .detokenizer import TokenTexts
-from .engine import MAX_CACHE_SALT_CHARS, LLMEngine, RequestHandle
+from .engine import LLMEngine, RequestHandle
 from .errors import (BackendUnavailable, CorrelationMismatch, DeadlineExceeded, EngineError, InvalidRequest, NotReady,
                      Overloaded, PromptTooLong, RequestFailed, WorkerBusy, WorkerFailed)
 from .inputs import check_encodable
 from .messages import FinishReason, TokenLogprob
 from .model_store import ModelNotFound
+from .output_processor import RequestObserver
+from .outputs import DeltaEvent, RequestOutput, Usage
+from .preprocess import MAX_CACHE_SALT_CHARS
+from .response_format import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
 from .sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_STOP_LENGTH,
                        REPETITION_PENALTY_RANGE, SamplingParams)
-from .scheduler import RequestObserver
-from .sequence import DeltaEvent, RequestOutput, Usage
 
 __all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "DeltaEvent", "EngineConfig",
            "EngineError", "FinishReason", "InvalidRequest", "LLMEngine", "MAX_CACHE_SALT_CHARS", "MAX_LOGIT_BIAS",
            "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
            "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptTooLong", "REPETITION_PENALTY_RANGE",
            "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput", "SamplingParams", "TokenLogprob",
-           "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed", "check_encodable"]
+           "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed", "check_encodable", "dataclass_from_env"]

@@ -55,8 +55,8 @@ class EngineConfig:
     # planned from the prompt alone; on oneDNN's matmuls, decode never at one row); costs about 1-3%
     # (docs/benchmarks.md).
     batch_invariant: bool = True
-    # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_decode.py (fused
-    # projections, no per-module overhead) instead of the model's forward (tests/test_fast_decode.py).
+    # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_forward.py (fused
+    # projections, no per-module overhead) instead of the model's forward (tests/test_fast_forward.py).
     fast_decode: bool = True
     # hf fast forward, bfloat16, one torch thread, a CPU with AVX512-BF16 and a C compiler: its matmuls, decode
     # attention and norms run on lockstep's kernels (engine/backends/bf16_kernels.c; a step in about half the time)
@@ -116,13 +116,19 @@ class EngineConfig:
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "EngineConfig":
         """Read LOCKSTEP_<FIELD> (e.g. LOCKSTEP_MAX_BATCH_SIZE=16); explicit overrides win."""
-        values = {}
-        for f in fields(cls):
-            raw = environ.get(f"LOCKSTEP_{f.name.upper()}")
-            if raw is not None and raw != "":
-                values[f.name] = _parse(f.type, raw, f.name)
-        values.update(overrides)
-        return cls(**values)
+        return dataclass_from_env(cls, environ, **overrides)
+
+
+def dataclass_from_env(cls, environ=os.environ, **overrides):
+    """A settings dataclass from LOCKSTEP_<FIELD> variables (unset or empty: the field's default), each value
+    parsed by the field's type (bool, int, float, str, or a comma list for a tuple); explicit overrides win."""
+    values = {}
+    for f in fields(cls):
+        raw = environ.get(f"LOCKSTEP_{f.name.upper()}")
+        if raw is not None and raw != "":
+            values[f.name] = _parse(f.type, raw, f.name)
+    values.update(overrides)
+    return cls(**values)
 
 
 def _parse(type_name, raw: str, name: str):
@@ -131,6 +137,8 @@ def _parse(type_name, raw: str, name: str):
         if raw.lower() not in BOOLEANS:
             raise ValueError(f"LOCKSTEP_{name.upper()} must be one of {', '.join(BOOLEANS)}, got {raw!r}")
         return BOOLEANS[raw.lower()]
+    if kind == "tuple":
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     try:
         if kind == "int":
             return int(raw)

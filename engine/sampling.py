@@ -2,9 +2,9 @@
 import math
 from dataclasses import dataclass, field
 
-from .backends.constrained import parse_response_format, refuse_conflicts
 from .errors import InvalidRequest
 from .messages import WorkerSampling
+from .response_format import parse_response_format, refuse_conflicts
 
 MAX_STOP_LENGTH = 200
 MAX_SEED = 2**63 - 1
@@ -28,7 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
-    response_format: str | None = None  # JSON mode: the checked schema text (backends/constrained.py)
+    response_format: str | None = None  # JSON mode: the checked schema text (engine/response_format.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off

@@ -1,72 +1,140 @@
-"""Scheduler: the waiting queue, the running batch and the batching policy.
+"""Scheduler: the waiting queue, the running batch and the admission policy; nothing else.
 
-Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks
-while there is nothing to do) and `postprocess`. One lock guards all of it.
+Request threads call `add` and `abort`; the one scheduler thread calls `schedule` (blocks while
+there is nothing to do). One lock guards the queues and every sequence's status, and it is never
+held for text work: a sequence that finishes is only marked here (`Finished`); the output side
+builds its final output afterwards, then `release`s it.
 
-Fairness: each client (an address) may hold at most `max_queue_per_client` waiting
-requests, and slots go round-robin across clients (fewest running, then served longest
-ago), so one client that keeps the queue full cannot lock the others out. Memory: the
-worker's padded batch holds rows x longest row tokens; admission keeps that within
-`max_batch_kv_tokens`. Deadlines: a request past its deadline fails with
-deadline_exceeded, waiting or running. Samples: a request with n > 1 (or best_of) is a group of
-sequences that is queued, admitted and sent to the worker as one (one prefill, forked there). A group that
-does not fit yet does not hold up the requests behind it, until a batch's worth of sequences has gone past it:
-then it reserves the slots as they free (it cannot be starved).
+Admission: the policy says when the batch takes new sequences (AdmissionPolicy), each client may
+hold at most `max_queue_per_client` waiting requests and slots go round-robin across clients
+(ClientFairness), a request's samples go in together (GroupReservations), and the worker's padded
+batch (rows x longest row tokens) stays within `max_batch_kv_tokens`. A request past its deadline
+fails with deadline_exceeded, waiting or running.
 """
-import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .errors import DeadlineExceeded, EngineError, NotReady, Overloaded, RequestFailed
-from .messages import FinishReason, NewRequest, StepOutput
+from .errors import DeadlineExceeded, EngineError, NotReady, Overloaded
+from .messages import FinishReason, NewRequest
 from .sequence import Sequence, SequenceStatus
-
-logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_CLIENTS = 4096
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A sequence the scheduler has taken out of its queues; the output side still owes its final output."""
+    seq: Sequence
+    reason: FinishReason
+    error: Exception | None = None
+    was_running: bool = False  # its text may be in use on the scheduler thread
+
+
+@dataclass(frozen=True)
 class StepPlan:
-    new_requests: tuple[NewRequest, ...]
-    finished_ids: tuple[str, ...]
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_ids: tuple[str, ...] = ()
+    finished: tuple[Finished, ...] = ()  # aborted or past their deadline: their outputs go out before the step
+    has_step: bool = True  # False: only `finished` to deliver, no round-trip to run
 
 
-class RequestObserver:
-    """Hooks for metrics; the default does nothing."""
+class AdmissionPolicy:
+    """Continuous batching: a slot that frees is refilled at the next step."""
 
-    def on_token(self, seq: Sequence, now: float, previous: float | None) -> None:
-        pass
+    def __init__(self, max_batch_size: int):
+        self.max_batch_size = max_batch_size
 
-    def on_finish(self, seq: Sequence, output) -> None:
-        pass
+    def can_admit(self, num_running: int) -> bool:
+        return num_running < self.max_batch_size
 
-    def on_worker_restart(self) -> None:
-        pass
+
+class StaticBatching(AdmissionPolicy):
+    """The batch runs to completion before the next one is admitted."""
+
+    def can_admit(self, num_running: int) -> bool:
+        return num_running == 0
+
+
+class NoBatching(StaticBatching):
+    """One request at a time (a baseline to measure batching against)."""
+
+    def __init__(self, max_batch_size: int):
+        super().__init__(1)
+
+
+POLICIES = {"continuous": AdmissionPolicy, "static": StaticBatching, "none": NoBatching}
+
+
+def admission_policy(name: str, max_batch_size: int) -> AdmissionPolicy:
+    return POLICIES.get(name, StaticBatching)(max_batch_size)
+
+
+class ClientFairness:
+    """Round-robin across clients: the client with the fewest running requests, then the one served longest
+    ago, then its oldest request, so one client that keeps the queue full cannot lock the others out."""
+
+    def __init__(self):
+        self._last_admitted: dict[str, float] = {}  # client id -> when it last got a slot
+
+    def fairest(self, candidates: Iterable[Sequence], running: list[Sequence]) -> Sequence | None:
+        running_per_client = Counter(s.client_id for s in running)
+        return min(candidates, default=None,
+                   key=lambda s: (running_per_client[s.client_id],
+                                  self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
+
+    def on_admit(self, client_id: str, active_clients: Callable[[], set[str]]) -> None:
+        if len(self._last_admitted) >= MAX_REMEMBERED_CLIENTS:  # forget clients with nothing left here
+            active = active_clients()
+            self._last_admitted = {c: t for c, t in self._last_admitted.items() if c in active}
+        self._last_admitted[client_id] = time.monotonic()
+
+
+class GroupReservations:
+    """A group (a request's samples) is admitted all at once. One that does not fit yet does not hold up the
+    requests behind it, until a batch's worth of sequences has gone past it: then it reserves the slots as they
+    free (it cannot be starved)."""
+
+    def __init__(self, max_batch_size: int):
+        self.max_batch_size = max_batch_size
+        self._passed: Counter[str] = Counter()  # waiting group id -> sequences admitted past it
+
+    def reserving(self) -> set[str]:
+        """Waiting groups that a batch's worth of sequences went past: the slots that free are theirs."""
+        return {group_id for group_id, count in self._passed.items() if count >= self.max_batch_size}
+
+    def may_be_passed(self, group_id: str) -> bool:
+        return self._passed[group_id] < self.max_batch_size
+
+    def on_admit(self, group_id: str, num_sequences: int, passed_groups: list[str]) -> None:
+        """`group_id` got its slots; the groups it went past (this round) count its sequences."""
+        self._passed.pop(group_id, None)
+        self._passed.update({passed: num_sequences for passed in passed_groups})
+
+    def forget(self, group_id: str) -> None:
+        self._passed.pop(group_id, None)
 
 
 class Scheduler:
     def __init__(self, max_batch_size: int = 8, max_queue: int = 64, policy: str = "continuous",
-                 observer: RequestObserver | None = None, max_queue_per_client: int | None = None,
-                 max_batch_kv_tokens: int | None = None):
-        self.observer = observer or RequestObserver()
-        self.max_batch_size = 1 if policy == "none" else max_batch_size
+                 max_queue_per_client: int | None = None, max_batch_kv_tokens: int | None = None):
+        self.policy = admission_policy(policy, max_batch_size)
+        self.max_batch_size = self.policy.max_batch_size
         self.max_queue = max_queue
         self.max_queue_per_client = max_queue_per_client or max_queue
         self.max_batch_kv_tokens = max_batch_kv_tokens or float("inf")
-        self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # until released: the final output is delivered
         self.finished_ids: list[str] = []  # the worker still holds their KV cache
+        self.fairness = ClientFairness()
+        self.reservations = GroupReservations(self.max_batch_size)
         self._lock = threading.Lock()
         self._has_work = threading.Condition(self._lock)
         self._is_idle = threading.Condition(self._lock)
         self._is_closed = False
-        self._last_admitted: dict[str, float] = {}  # client id -> when it last got a slot
-        self._passed: Counter[str] = Counter()  # waiting group id -> sequences admitted past it
 
     @property
     def num_waiting(self) -> int:
@@ -97,76 +165,69 @@ class Scheduler:
             self.sequences.update((seq.request_id, seq) for seq in seqs)
             self._has_work.notify()
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request (all its samples); a running one stops and frees its slot at the next step."""
+    def abort(self, request_id: str) -> tuple[bool, list[Finished]]:
+        """Cancel a request (all its samples): (whether it was here, the waiting ones finished now). A running one
+        stops and frees its slot at the next step."""
         with self._lock:
             seqs = [self.sequences[request_id]] if request_id in self.sequences \
                 else [s for s in self.sequences.values() if s.group_id == request_id]
+            seqs = [s for s in seqs if not s.is_finished]
+            finished = []
             for seq in seqs:
                 if seq.status is SequenceStatus.WAITING:
-                    self.waiting.remove(seq)
-                    self._finish(seq, FinishReason.ABORT)
+                    finished.append(self._mark_finished(seq, FinishReason.ABORT))
                 else:
                     seq.is_abort_requested = True
                     self._has_work.notify()
-            return bool(seqs)
+            return bool(seqs), finished
 
     def schedule(self, timeout: float | None = None) -> StepPlan | None:
-        """Block until there is a step to run (or `timeout`/close); admit new requests by policy."""
+        """Block until there is a step to run (or `timeout`/close); admit new requests by policy. None: nothing
+        to run and nothing finished."""
         with self._lock:
             self._has_work.wait_for(lambda: self._is_closed or self._needs_step(), timeout)
             if self._is_closed:
                 return None
-            self._expire(time.monotonic())  # also on a timeout: a waiting request's deadline passes while idle
+            finished = self._expire(time.monotonic())  # also on a timeout: a deadline passes while idle
             if not self._needs_step():
-                return None
-            for seq in [s for s in self.running if s.is_abort_requested]:
-                self._finish(seq, FinishReason.ABORT)
+                return StepPlan(finished=tuple(finished), has_step=False) if finished else None
+            finished += [self._mark_finished(seq, FinishReason.ABORT)
+                         for seq in [s for s in self.running if s.is_abort_requested]]
             admitted = self._admit()
-            plan = StepPlan(_new_requests(admitted), tuple(self.finished_ids))
+            plan = StepPlan(_new_requests(admitted), tuple(self.finished_ids), tuple(finished))
             self.finished_ids.clear()
             return plan
 
-    def postprocess(self, output: StepOutput) -> None:
-        now = time.monotonic()
+    def running_now(self) -> list[Sequence]:
         with self._lock:
-            for seq in list(self.running):
-                if seq.request_id in output.failed:
-                    self._finish(seq, FinishReason.ERROR, RequestFailed(
-                        f"the model could not compute this request ({output.failed[seq.request_id]})"))
-                    continue
-                try:
-                    if seq.request_id in output.cached_tokens:
-                        seq.cached_tokens = output.cached_tokens[seq.request_id]
-                    if seq.request_id in output.prompt_logprobs:
-                        seq.prompt_logprobs = output.prompt_logprobs[seq.request_id]
-                    self._append_tokens(seq, output.new_token_ids.get(seq.request_id, ()), now,
-                                        output.logprobs.get(seq.request_id, ()))
-                except Exception as exc:  # noqa: BLE001 - one request's text handling fails it alone
-                    logger.exception("postprocessing %s failed", seq.request_id)
-                    if not seq.is_finished:  # finished already (a hook failed after): it must not be finished twice
-                        self._finish(seq, FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
+            return list(self.running)
 
-    def _append_tokens(self, seq: Sequence, token_ids: tuple[int, ...], now: float, logprobs: tuple = ()) -> None:
-        for position, token_id in enumerate(token_ids):
-            self.observer.on_token(seq, now, seq.last_token_time)
-            reason = seq.append_token(token_id, now, logprobs[position] if position < len(logprobs) else None)
-            if reason is not None:
-                self._finish(seq, reason)
-                return
+    def finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> list[Finished]:
+        """Take a sequence out (the output side saw it end): [] if it was finished already."""
+        with self._lock:
+            return [] if seq.is_finished else [self._mark_finished(seq, reason, error)]
 
-    def fail_running(self, error: EngineError) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Its final output is delivered: its id is free again, and the engine may be idle."""
+        with self._lock:
+            if self.sequences.get(seq.request_id) is seq:
+                del self.sequences[seq.request_id]
+            if not self.sequences:
+                self._is_idle.notify_all()
+
+    def fail_running(self, error: EngineError) -> list[Finished]:
         """The worker is gone: fail what it was computing; waiting requests wait for the next worker."""
         with self._lock:
-            for seq in list(self.running):
-                self._finish(seq, FinishReason.ERROR, error)
+            finished = [self._mark_finished(seq, FinishReason.ERROR, error) for seq in list(self.running)]
             self.finished_ids.clear()
+            return finished
 
-    def fail_all(self, error: EngineError) -> None:
+    def fail_all(self, error: EngineError) -> list[Finished]:
         with self._lock:
-            for seq in list(self.running) + list(self.waiting):
-                self._finish(seq, FinishReason.ERROR, error)
+            finished = [self._mark_finished(seq, FinishReason.ERROR, error)
+                        for seq in list(self.running) + list(self.waiting)]
             self.finished_ids.clear()
+            return finished
 
     def wait_idle(self, timeout: float) -> bool:
         with self._lock:
@@ -180,17 +241,13 @@ class Scheduler:
     def _needs_step(self) -> bool:
         return bool(self.running or self.finished_ids or (self.waiting and self._can_admit()))
 
-    def _expire(self, now: float) -> None:
-        for seq in [s for s in self.sequences.values() if s.deadline <= now]:
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-            self._finish(seq, FinishReason.ERROR, DeadlineExceeded(
-                f"the request did not finish within its deadline ({seq.num_output_tokens} tokens generated)"))
-
     def _can_admit(self) -> bool:
-        if self.policy == "continuous":
-            return len(self.running) < self.max_batch_size
-        return not self.running  # static and none: the batch runs to completion first
+        return self.policy.can_admit(len(self.running))
+
+    def _expire(self, now: float) -> list[Finished]:
+        return [self._mark_finished(seq, FinishReason.ERROR, DeadlineExceeded(
+                    f"the request did not finish within its deadline ({seq.num_output_tokens} tokens generated)"))
+                for seq in [s for s in self.sequences.values() if s.deadline <= now and not s.is_finished]]
 
     def _admit(self) -> list[Sequence]:
         if not self._can_admit():
@@ -198,18 +255,17 @@ class Scheduler:
         admitted, passed_groups = [], []
         now = time.monotonic()
         while len(self.running) < self.max_batch_size:
-            seq = self._fairest_waiting(passed_groups, self._reserving_groups())
+            seq = self._fairest_waiting(passed_groups, self.reservations.reserving())
             if seq is None:
                 break
             group = [s for s in self.waiting if s.group_id == seq.group_id]
             if not self._fits(group):
-                if len(group) == 1 or self._passed[seq.group_id] >= self.max_batch_size:
+                if len(group) == 1 or not self.reservations.may_be_passed(seq.group_id):
                     break  # the batch drains until it fits: skipping to smaller requests could starve it
                 passed_groups.append(seq.group_id)  # a group waits for slots; others may go past it, a while
                 continue
-            self._passed.pop(seq.group_id, None)
-            self._passed.update({group_id: len(group) for group_id in passed_groups})
-            self._remember_admission(seq.client_id)
+            self.reservations.on_admit(seq.group_id, len(group), passed_groups)
+            self.fairness.on_admit(seq.client_id, lambda: {s.client_id for s in self.sequences.values()})
             for member in group:
                 self.waiting.remove(member)
                 member.status, member.scheduled_time = SequenceStatus.RUNNING, now
@@ -223,19 +279,11 @@ class Scheduler:
             return True
         return len(self.running) + len(group) <= self.max_batch_size and self._fits_kv_budget(group)
 
-    def _reserving_groups(self) -> set[str]:
-        """Waiting groups that a batch's worth of sequences went past: the slots that free are theirs."""
-        return {group_id for group_id, count in self._passed.items() if count >= self.max_batch_size}
-
     def _fairest_waiting(self, passed_groups: list[str], reserving: set[str]) -> Sequence | None:
-        """Round-robin across clients: the client with the fewest running requests, then the one served
-        longest ago, then its oldest request (None when every waiting one is in `passed_groups`). While a group
+        """The fairest waiting sequence (None when every waiting one is in `passed_groups`). While a group
         reserves slots only reserving groups are candidates."""
-        running_per_client = Counter(s.client_id for s in self.running)
-        return min((s for s in self.waiting if s.group_id not in passed_groups
-                    and (not reserving or s.group_id in reserving)), default=None,
-                   key=lambda s: (running_per_client[s.client_id],
-                                  self._last_admitted.get(s.client_id, float("-inf")), s.arrival_time))
+        return self.fairness.fairest((s for s in self.waiting if s.group_id not in passed_groups
+                                      and (not reserving or s.group_id in reserving)), self.running)
 
     def _fits_kv_budget(self, group: list[Sequence]) -> bool:
         """The worker's batch is left-padded to its longest row, so its KV cache holds (rows x longest) tokens:
@@ -245,26 +293,16 @@ class Scheduler:
         longest = max(s.max_num_tokens for s in [*self.running, *group])
         return (len(self.running) + len(group)) * longest <= self.max_batch_kv_tokens
 
-    def _remember_admission(self, client_id: str) -> None:
-        if len(self._last_admitted) >= MAX_REMEMBERED_CLIENTS:  # forget clients with nothing left here
-            active = {s.client_id for s in self.sequences.values()}
-            self._last_admitted = {c: t for c, t in self._last_admitted.items() if c in active}
-        self._last_admitted[client_id] = time.monotonic()
-
-    def _finish(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+    def _mark_finished(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> Finished:
+        was_running = seq.status is SequenceStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
             self.finished_ids.append(seq.request_id)  # the worker frees its state (after a crash: cleared)
-        del self.sequences[seq.request_id]
-        self._passed.pop(seq.group_id, None)
-        try:
-            output = seq.finish(reason, error)
-        except Exception as exc:  # noqa: BLE001 - its last text (flush) failed: it fails alone, its waiter still hears
-            logger.exception("finishing %s failed", seq.request_id)
-            output = seq.finish(FinishReason.ERROR, RequestFailed(f"internal error: {type(exc).__name__}"))
-        self.observer.on_finish(seq, output)
-        if not self.sequences:
-            self._is_idle.notify_all()
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.reservations.forget(seq.group_id)
+        return Finished(seq, reason, error, was_running)
 
 
 def _new_requests(admitted: list[Sequence]) -> tuple[NewRequest, ...]:

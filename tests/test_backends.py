@@ -3,7 +3,7 @@ import pytest
 
 from app import STARTUP_FAILURE_EXIT_CODE, create_app
 from engine import BackendUnavailable, EngineConfig
-from engine import backends
+from engine import backend_choice as backends
 
 from .client import http
 from .conftest import start_live_server

@@ -1,4 +1,4 @@
-"""lockstep's bfloat16 kernels (engine/backends/bf16_kernels.c, native.py: the weight matmul, the decode attention,
+"""lockstep's bfloat16 kernels (engine/backends/bf16_kernels.c, bf16.py: the weight matmul, the decode attention,
 RMSNorm): built with the machine's compiler; within bfloat16's rounding of the exact result on the model's own
 weights and on generated shapes; each row the same alone as in any batch; the fast forward on them as accurate as on
 oneDNN's matmul; and every way they can be unavailable falls back to oneDNN."""
@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from engine.backends import native
-from engine.backends.fast_decode import FastDecoder
+from engine.backends import bf16
+from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, one_query_attention, use_slot_attention
 from engine.config import EngineConfig, default_cache_dir
@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "Write a short paragraph about the ocean.
            "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived a"]
 
 
-MISSING_INSTRUCTIONS = sorted(native.CPU_FLAGS - native._cpu_flags())
+MISSING_INSTRUCTIONS = sorted(bf16.CPU_FLAGS - bf16._cpu_flags())
 # The kernels' own instructions: where the CPU lacks them, their tests are skipped (and the 4-bit kernels'
 # dispatch test, tests/test_q4_kernels.py, shows which path this host runs instead).
 needs_avx512_bf16 = pytest.mark.skipif(bool(MISSING_INSTRUCTIONS),
@@ -37,7 +37,7 @@ needs_avx512_bf16 = pytest.mark.skipif(bool(MISSING_INSTRUCTIONS),
 def kernels():
     if MISSING_INSTRUCTIONS:
         pytest.skip(f"this CPU lacks {', '.join(MISSING_INSTRUCTIONS)}")
-    loaded = native.load_bf16_kernels(default_cache_dir())
+    loaded = bf16.load_bf16_kernels(default_cache_dir())
     assert loaded is not None, "this machine (AVX512-BF16, a C compiler) should run the kernels; see the log"
     return loaded
 
@@ -222,9 +222,9 @@ def test_the_backend_decodes_on_the_kernels_by_default_here(smol_model_dir):
 
 @needs_avx512_bf16
 def test_kernels_that_compute_wrong_numbers_are_not_used(monkeypatch, caplog, smol_model_dir):
-    monkeypatch.setattr(native.Bf16Kernels, "computes_correctly", lambda self: False)
-    with caplog.at_level(logging.WARNING, logger="engine.backends.native"):
-        assert native.load_bf16_kernels(default_cache_dir()) is None
+    monkeypatch.setattr(bf16.Bf16Kernels, "computes_correctly", lambda self: False)
+    with caplog.at_level(logging.WARNING, logger="engine.backends.bf16"):
+        assert bf16.load_bf16_kernels(default_cache_dir()) is None
     assert "wrong numbers" in caplog.text
     backend = HFBackend(EngineConfig(model=smol_model_dir, dtype="bfloat16", device="cpu", threads=1),
                         smol_model_dir)
@@ -233,13 +233,13 @@ def test_kernels_that_compute_wrong_numbers_are_not_used(monkeypatch, caplog, sm
 
 
 def test_no_kernels_without_the_cpu_instructions_or_a_working_compiler(monkeypatch, caplog, tmp_path):
-    with caplog.at_level(logging.INFO, logger="engine.backends.native"):
-        monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "avx512f"})
-        assert native.load_bf16_kernels(str(tmp_path)) is None
+    with caplog.at_level(logging.INFO, logger="engine.backends.bf16"):
+        monkeypatch.setattr(bf16, "_cpu_flags", lambda: {"avx2", "avx512f"})
+        assert bf16.load_bf16_kernels(str(tmp_path)) is None
         assert "lacks avx512_bf16, avx512bw, avx512vl" in caplog.text
-        monkeypatch.setattr(native, "_cpu_flags", lambda: set(native.CPU_FLAGS))  # as if it had them, to build
+        monkeypatch.setattr(bf16, "_cpu_flags", lambda: set(bf16.CPU_FLAGS))  # as if it had them, to build
         monkeypatch.setenv("CC", "false")  # a compiler that fails
-        assert native.load_bf16_kernels(str(tmp_path)) is None
+        assert bf16.load_bf16_kernels(str(tmp_path)) is None
         assert "could not build" in caplog.text
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left to load later
 
@@ -247,8 +247,8 @@ def test_no_kernels_without_the_cpu_instructions_or_a_working_compiler(monkeypat
 @needs_avx512_bf16
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):
     """gunicorn workers and test processes may start together on an empty cache folder."""
-    script = ("import sys; from engine.backends import native; "
-              "sys.exit(0 if native.load_bf16_kernels(sys.argv[1]) is not None else 1)")
+    script = ("import sys; from engine.backends import bf16; "
+              "sys.exit(0 if bf16.load_bf16_kernels(sys.argv[1]) is not None else 1)")
     builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(4)]
     assert [builder.wait(timeout=180) for builder in builders] == [0, 0, 0, 0]
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
@@ -297,7 +297,7 @@ def prefilled_slots(decoder: FastDecoder, config, prompts: list[list[int]]) -> t
 @torch.inference_mode()
 def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smol_model_dir):
     """bf16_kernels.c's decode step (every layer, the final norm and the lm_head in one call, alone or with its
-    helper thread) against fast_decode's layer-by-layer Python on the same kernels: the same logits and the same
+    helper thread) against fast_forward's layer-by-layer Python on the same kernels: the same logits and the same
     keys and values, bit for bit, for 1 to 12 rows whose lengths cross a page of the slot cache."""
     model = load(smol_model_dir, torch.bfloat16)
     decoders = {"layer by layer": FastDecoder(model, kernels, whole_step_in_c=False),
@@ -325,14 +325,14 @@ def test_a_decode_step_in_one_call_gives_the_layer_by_layer_numbers(kernels, smo
             assert all(torch.equal(got, expected) for got, expected in zip(stored, expected_stored)), (rows, mode)
 
 
-def tiny_stack(kernels, generator: torch.Generator) -> native.DecoderStack:
+def tiny_stack(kernels, generator: torch.Generator) -> bf16.DecoderStack:
     """Two random layers: hidden 64, 2 query heads and 1 KV head of 32, intermediate 96, vocabulary 128."""
     def weight(*shape):
         return (torch.randn(*shape, generator=generator) * 0.2).to(torch.bfloat16)
-    layers = [native.LayerWeights(weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), kernels.pack(weight(64, 64)),
+    layers = [bf16.LayerWeights(weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), kernels.pack(weight(64, 64)),
                                   weight(64) + 1, 1e-6, kernels.pack(weight(192, 64)), kernels.pack(weight(64, 96)))
               for _ in range(2)]
-    return native.DecoderStack(kernels, layers, weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), 2, 1, 32)
+    return bf16.DecoderStack(kernels, layers, weight(64) + 1, 1e-5, kernels.pack(weight(128, 64)), 2, 1, 32)
 
 
 def tiny_step(kernels, stack, share: bool, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,13 +406,13 @@ def test_the_decode_step_refuses_what_it_cannot_read(kernels):
     def packed(rows, depth):
         return kernels.pack(torch.ones(rows, depth, dtype=torch.bfloat16))
     norm = torch.ones(64, dtype=torch.bfloat16)
-    layer = native.LayerWeights(norm, 1e-5, packed(96, 64), packed(64, 64), norm, 1e-5, packed(192, 64), packed(64, 96))
+    layer = bf16.LayerWeights(norm, 1e-5, packed(96, 64), packed(64, 64), norm, 1e-5, packed(192, 64), packed(64, 96))
     with pytest.raises(ValueError, match="shapes"):  # q/k/v of 96 rows where 2 + 2 x 1 heads of 32 need 128
-        native.DecoderStack(kernels, [layer], norm, 1e-5, packed(128, 64), 2, 1, 32)
+        bf16.DecoderStack(kernels, [layer], norm, 1e-5, packed(128, 64), 2, 1, 32)
     fitting = dataclasses.replace(layer, qkv=packed(128, 64))
-    native.DecoderStack(kernels, [fitting], norm, 1e-5, packed(128, 64), 2, 1, 32)
+    bf16.DecoderStack(kernels, [fitting], norm, 1e-5, packed(128, 64), 2, 1, 32)
     with pytest.raises(ValueError, match="shapes"):  # an lm_head not packed for the kernels
-        native.DecoderStack(kernels, [fitting], norm, 1e-5, torch.ones(128, 64, dtype=torch.bfloat16), 2, 1, 32)
+        bf16.DecoderStack(kernels, [fitting], norm, 1e-5, torch.ones(128, 64, dtype=torch.bfloat16), 2, 1, 32)
 
 
 def test_swiglu_matches_torch_within_one_rounding(kernels):

@@ -9,7 +9,7 @@ import time
 import pytest
 import websocket
 
-from app.state import ServerSettings
+from app.settings import ServerSettings
 
 from .client import WsClient, http, wait_until
 from .conftest import LiveServer, start_live_server

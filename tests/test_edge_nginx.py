@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.state import ServerSettings
+from app.settings import ServerSettings
 
 from .client import WsClient, http, wait_for_http
 from .test_gunicorn import free_port

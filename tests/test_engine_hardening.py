@@ -138,7 +138,7 @@ def test_a_dead_scheduler_thread_fails_every_waiter_and_refuses_new_work(make_en
     def dying_postprocess(output):
         raise SystemExit("the scheduler thread ends unexpectedly")
 
-    monkeypatch.setattr(engine.scheduler, "postprocess", dying_postprocess)
+    monkeypatch.setattr(engine.core, "process", dying_postprocess)
     output = engine.submit("Hello", GREEDY).result(timeout=30)
     assert output.finish_reason is FinishReason.ERROR and "scheduler" in output.error
     assert engine.readiness() == (False, "the engine's scheduler stopped")
@@ -221,7 +221,7 @@ def test_requests_from_many_threads_with_odd_values_never_fail_the_others(make_e
 def test_fairness_behind_a_trusted_proxy_is_per_forwarded_client(peer, forwarded, trusted, expected):
     from app import create_app
     from app.api import client_address
-    from app.state import ServerSettings
+    from app.settings import ServerSettings
 
     app = create_app({"START_ENGINE": False, "SETTINGS": ServerSettings(trusted_proxies=trusted)})
     headers = {"X-Forwarded-For": forwarded} if forwarded else {}

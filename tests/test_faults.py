@@ -155,7 +155,7 @@ def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, 
 
 def test_a_worker_dying_between_steps_fails_its_requests(make_engine, tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir)
-    real_postprocess = engine.scheduler.postprocess
+    real_postprocess = engine.core.process
     killed = []
 
     def kill_after_this_step(output):
@@ -165,7 +165,7 @@ def test_a_worker_dying_between_steps_fails_its_requests(make_engine, tiny_model
             os.kill(killed[0], signal.SIGKILL)
             engine.executor._process.join(10)
 
-    monkeypatch.setattr(engine.scheduler, "postprocess", kill_after_this_step)
+    monkeypatch.setattr(engine.core, "process", kill_after_this_step)
     output = engine.submit("Hello", SamplingParams(max_tokens=50, ignore_eos=True)).result(timeout=60)
     assert output.finish_reason is FinishReason.ERROR and "between steps" in output.error
     assert engine.generate(["Hi"], SamplingParams(max_tokens=3))[0].finish_reason is FinishReason.LENGTH
@@ -174,7 +174,7 @@ def test_a_worker_dying_between_steps_fails_its_requests(make_engine, tiny_model
 
 def test_the_scheduler_loop_survives_a_bug(make_engine, tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir)
-    real_postprocess = engine.scheduler.postprocess
+    real_postprocess = engine.core.process
     raised = []
 
     def buggy_postprocess(output):
@@ -183,7 +183,7 @@ def test_the_scheduler_loop_survives_a_bug(make_engine, tiny_model_dir, monkeypa
             raise IndexError("a bug in postprocess")
         real_postprocess(output)
 
-    monkeypatch.setattr(engine.scheduler, "postprocess", buggy_postprocess)
+    monkeypatch.setattr(engine.core, "process", buggy_postprocess)
     output = engine.submit("Hello", SamplingParams(max_tokens=20, ignore_eos=True)).result(timeout=60)
     assert output.finish_reason is FinishReason.ERROR and "IndexError" in output.error
     assert engine.generate(["Hi"], SamplingParams(max_tokens=3))[0].finish_reason is FinishReason.LENGTH

@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from engine import InvalidRequest, SamplingParams
-from engine.backends.constrained import (MAX_EXPANSION, MAX_KEPT_EXPANSION, MAX_SCHEMA_DEPTH, GrammarCompiler,
-                                         parse_response_format, refuse_conflicts)
+from engine.backends.constrained import MAX_KEPT_EXPANSION, GrammarCompiler
+from engine.response_format import MAX_EXPANSION, MAX_SCHEMA_DEPTH, parse_response_format, refuse_conflicts
 
 from .client import WsClient, http
 from .conftest import start_live_server

@@ -37,12 +37,12 @@ def test_an_agent_turn_runs_over_the_responses_websocket(server, agents_on, capl
     agent = agents.Agent(name="Echo", instructions="Answer with one word.", model="smollm2",
                          # room to finish: agents raise on an incomplete response
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
-    with caplog.at_level(logging.INFO, logger="app.responses_ws"):
+    with caplog.at_level(logging.INFO, logger="app.responses_ws_session"):
         result = asyncio.run(agents.Runner.run(agent, "Say hello."))
     [response] = result.raw_responses
     assert isinstance(result.final_output, str) and result.final_output.strip()
     # The socket session logs each response it made: this one came over /v1/responses' WebSocket, not REST.
-    made_on_socket = [r.getMessage() for r in caplog.records if r.name == "app.responses_ws"]
+    made_on_socket = [r.getMessage() for r in caplog.records if r.name == "app.responses_ws_session"]
     assert any(m.startswith(f"ws response {response.response_id} ") for m in made_on_socket), made_on_socket
     assert response.usage.output_tokens > 0
     # Its answer is the model's own: the same greedy turn over REST says the same.

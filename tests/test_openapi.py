@@ -7,7 +7,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
-from app import schema as shapes
+from app import request_parsing as shapes
 
 from .client import http
 

@@ -264,7 +264,7 @@ def test_reconnects_after_the_socket_drops(open_page):
 
 
 def test_api_key_from_the_settings_reaches_rest_and_socket_never_the_url(browser, make_server_for, tiny_model_dir):
-    from app.state import ServerSettings
+    from app.settings import ServerSettings
 
     server = make_server_for(tiny_model_dir, ServerSettings(api_key="sekret"))
     context = browser.new_context(viewport=DESKTOP)

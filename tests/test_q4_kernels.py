@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import hardware
-from engine.backends import native
-from engine.backends.fast_decode import FastDecoder
+from engine.backends import bf16
+from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.backends.q4 import Q4Weights, QuantizedWeight, error_bound, load_q4_kernels
@@ -52,7 +52,7 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     """The defaults: lockstep's bfloat16 kernels where the CPU has AVX512-BF16, else the 4-bit blocks."""
     host = hardware.detect_host()
     defaults = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
-    has_bf16_kernels = native.CPU_FLAGS <= host.flags
+    has_bf16_kernels = bf16.CPU_FLAGS <= host.flags
     assert defaults.info.weights == ("" if has_bf16_kernels else "q4_1")
     assert defaults.info.dtype == ("bfloat16" if has_bf16_kernels else "float32")
     defaults.close()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from app.state import ServerSettings
+from app.settings import ServerSettings
 
 from .client import WsClient, http
 from .test_edge_nginx import running_nginx

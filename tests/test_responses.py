@@ -8,7 +8,7 @@ import pytest
 
 from app.response_store import ResponseStore, StoredResponse
 from app.responses import NOT_IMPLEMENTED, RESPONSES
-from app.state import ServerSettings
+from app.settings import ServerSettings
 
 from .client import http
 from .conftest import sdk

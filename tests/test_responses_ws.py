@@ -9,7 +9,7 @@ import pytest
 import websocket
 from websockets.exceptions import InvalidStatus
 
-from app import responses_ws
+from app import responses_ws_session
 
 from .client import WsClient, http, wait_until
 from .conftest import sdk
@@ -165,7 +165,7 @@ def test_too_many_waiting_creates_and_a_vanished_client(server):
     scheduler = server.state.engine.scheduler
     ws = WsClient(_socket_url(server))
     long = {"type": "response.create", "input": "Hello", "max_output_tokens": 500, "ignore_eos": True}
-    for _ in range(responses_ws.MAX_WAITING + 2):
+    for _ in range(responses_ws_session.MAX_WAITING + 2):
         ws.send(long)
     while (event := ws.recv())["type"] != "error":
         pass
@@ -179,7 +179,7 @@ def test_too_many_waiting_creates_and_a_vanished_client(server):
 
 
 def test_an_event_over_one_mib_is_replaced_by_an_error(raw, monkeypatch):
-    monkeypatch.setattr(responses_ws, "MAX_FRAME_BYTES", 4096)  # a response.created that repeats instructions
+    monkeypatch.setattr(responses_ws_session, "MAX_FRAME_BYTES", 4096)  # a response.created that repeats instructions
     raw.send({"type": "response.create", "input": "Hi", "instructions": "Be brief. " * 500, "max_output_tokens": 2})
     events = raw_until_final(raw, count=1)
     assert events[0]["type"] == "error" and events[0]["error"]["code"] == "frame_too_large"

@@ -6,72 +6,84 @@ import queue
 import pytest
 
 from engine import FinishReason, Overloaded
-from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
 from engine.messages import NewRequest, StepOutput, StepResult, TokenLogprob, WorkerSampling
-from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, SampleGroup, Sequence
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput
+from engine.sample_group import SampleGroup
+from engine.sequence import Sequence
 
-from .test_scheduler import CharTokenizer, make_seq
-
-
-def make_group(request_id: str, num_samples: int, n: int | None = None, max_tokens: int = 3) -> SampleGroup:
-    sink = queue.Queue()
-    group = SampleGroup(request_id, n or num_samples, sink)
-    group.sequences = [Sequence(f"{request_id}#{i}", [65, 66], WorkerSampling(max_tokens=max_tokens),
-                                IncrementalDetokenizer(CharTokenizer()), group, frozenset({0}),
-                                group_id=request_id, sample_index=i) for i in range(num_samples)]
-    return group
+from .test_scheduler import make_core, make_seq, make_state
 
 
-def final(group: SampleGroup) -> RequestOutput:
+class Group:
+    """A request's samples as Engine.submit queues them: their states, and the SampleGroup they share as a sink."""
+
+    def __init__(self, request_id: str, num_samples: int, n: int | None = None, max_tokens: int = 3):
+        self.sink = SampleGroup(request_id, n or num_samples, queue.Queue())
+        self.states: list[RequestState] = [
+            make_state(Sequence(f"{request_id}#{i}", [65, 66], WorkerSampling(max_tokens=max_tokens),
+                                group_id=request_id, sample_index=i), self.sink) for i in range(num_samples)]
+        self.sink.sequences = self.sequences
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [state.seq for state in self.states]
+
+
+def make_group(request_id: str, num_samples: int, n: int | None = None, max_tokens: int = 3) -> Group:
+    return Group(request_id, num_samples, n, max_tokens)
+
+
+def final(group: Group) -> RequestOutput:
     events = []
-    while not group.sink.empty():
-        events.append(group.sink.get())
+    while not group.sink.sink.empty():
+        events.append(group.sink.sink.get())
     outputs = [e for e in events if isinstance(e, RequestOutput)]
     assert len(outputs) == 1
     return outputs[0]
 
 
-def step(manager: Scheduler, tokens: dict[str, int], logprobs: dict[str, float] | None = None):
+def step(manager: EngineCore, tokens: dict[str, int], logprobs: dict[str, float] | None = None):
     plan = manager.schedule(timeout=0)
     entries = {i: (TokenLogprob(tokens[i], lp),) for i, lp in (logprobs or {}).items()}
-    manager.postprocess(StepOutput({i: (t,) for i, t in tokens.items()}, logprobs=entries))
+    manager.process(StepOutput({i: (t,) for i, t in tokens.items()}, logprobs=entries))
     return plan
 
 
 def test_a_group_is_one_new_request_with_every_sample_id():
-    manager = Scheduler(max_batch_size=4)
+    manager = make_core(max_batch_size=4)
     group = make_group("g", 3)
-    manager.add_group(group.sequences)
+    manager.add_states(group.states)
     plan = manager.schedule(timeout=0)
     assert plan.new_requests == (NewRequest("g", (65, 66), WorkerSampling(max_tokens=3), ("g#0", "g#1", "g#2")),)
-    assert manager.num_running == 3
+    assert manager.scheduler.num_running == 3
 
 
 def test_a_group_waits_until_all_its_samples_fit():
-    manager = Scheduler(max_batch_size=3)
-    manager.add(make_seq("solo", max_tokens=2))
+    manager = make_core(max_batch_size=3)
+    manager.add_states([make_seq("solo", max_tokens=2)])
     manager.schedule(timeout=0)
     group = make_group("g", 3)
-    manager.add_group(group.sequences)
+    manager.add_states(group.states)
     assert manager.schedule(timeout=0).new_requests == ()  # 1 running + 3 > 3
-    manager.postprocess(StepOutput({"solo": (120,)}))
-    manager.postprocess(StepOutput({"solo": (121,)}))  # solo is done (max_tokens 2)
+    manager.process(StepOutput({"solo": (120,)}))
+    manager.process(StepOutput({"solo": (121,)}))  # solo is done (max_tokens 2)
     assert [r.request_id for r in manager.schedule(timeout=0).new_requests] == ["g"]
 
 
 def test_a_group_is_queued_all_or_none():
-    manager = Scheduler(max_batch_size=1, max_queue=4)
-    manager.add_group(make_group("a", 3).sequences)
+    manager = make_core(max_batch_size=1, max_queue=4)
+    manager.add_states(make_group("a", 3).states)
     with pytest.raises(Overloaded):
-        manager.add_group(make_group("b", 2).sequences)
-    assert manager.num_waiting == 3
+        manager.add_states(make_group("b", 2).states)
+    assert manager.scheduler.num_waiting == 3
 
 
 def test_cancel_by_the_request_id_stops_every_sample():
-    manager = Scheduler(max_batch_size=4)
+    manager = make_core(max_batch_size=4)
     group = make_group("g", 2, max_tokens=10)
-    manager.add_group(group.sequences)
+    manager.add_states(group.states)
     step(manager, {"g#0": 120, "g#1": 121})
     assert manager.abort("g")
     plan = manager.schedule(timeout=0)
@@ -81,11 +93,11 @@ def test_cancel_by_the_request_id_stops_every_sample():
 
 
 def test_one_failed_sample_fails_the_request_and_stops_the_others():
-    manager = Scheduler(max_batch_size=4)
+    manager = make_core(max_batch_size=4)
     group = make_group("g", 2, max_tokens=10)
-    manager.add_group(group.sequences)
+    manager.add_states(group.states)
     manager.schedule(timeout=0)
-    manager.postprocess(StepOutput({"g#1": (120,)}, failed={"g#0": "RuntimeError: nan"}))
+    manager.process(StepOutput({"g#1": (120,)}, failed={"g#0": "RuntimeError: nan"}))
     assert group.sequences[1].is_abort_requested
     manager.schedule(timeout=0)
     output = final(group)
@@ -93,9 +105,9 @@ def test_one_failed_sample_fails_the_request_and_stops_the_others():
 
 
 def test_best_of_returns_the_n_most_likely_samples_best_first():
-    manager = Scheduler(max_batch_size=4)
+    manager = make_core(max_batch_size=4)
     group = make_group("g", 3, n=2, max_tokens=2)
-    manager.add_group(group.sequences)
+    manager.add_states(group.states)
     step(manager, {"g#0": 120, "g#1": 121, "g#2": 122}, {"g#0": -3.0, "g#1": -0.5, "g#2": -1.0})
     step(manager, {"g#0": 0, "g#1": 121, "g#2": 122}, {"g#0": -0.1, "g#1": -0.5, "g#2": -1.0})
     output = final(group)

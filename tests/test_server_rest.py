@@ -1,7 +1,7 @@
 """REST against a live server (werkzeug on a real port) with the real engine and a tiny model."""
 import pytest
 
-from app.state import ServerSettings
+from app.settings import ServerSettings
 
 from .client import http
 from .conftest import start_live_server
@@ -170,7 +170,7 @@ def test_ready_is_503_while_the_model_loads_then_200(tiny_model_dir, monkeypatch
         assert http("GET", live.url + "/health")[0] == 200
         assert post(live, "/basic_generate", {"prompt": "x"})[0] == 503  # not ready yet: a clear error
         may_load.set()
-        assert live.state.engine._first_start_done.wait(60)
+        assert live.state.engine.core.first_start_done.wait(60)
         assert http("GET", live.url + "/ready")[0] == 200
     finally:
         may_load.set()

@@ -14,7 +14,8 @@ import pytest
 
 from app import STARTUP_FAILURE_EXIT_CODE, create_app
 from engine import BackendUnavailable, EngineConfig, SamplingParams
-from engine.backends import choose_backend, layout
+from engine import parallel_layout as layout
+from engine.backend_choice import choose_backend
 from engine.backends.vllm import _engine_args, split_cores
 
 REPO = Path(__file__).resolve().parent.parent

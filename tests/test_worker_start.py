@@ -173,7 +173,7 @@ def test_the_bench_says_what_a_server_that_never_became_ready_was_doing(tmp_path
     log = tmp_path / "server.log"
     log.write_text("INFO engine.executor: forked model worker 4242 for the model\n"
                    + '127.0.0.1 [30/Nov/2026:10:25:16 +0000] "GET /ready HTTP/1.1" 503 76 25353us\n' * 500
-                   + "ERROR engine.engine: model worker failed to start: the model worker did not answer within "
+                   + "ERROR engine.engine_core: model worker failed to start: the model worker did not answer within "
                      "240 s while loading the model\n")
     server = ServerUnderTest(f"http://127.0.0.1:{free_port()}", log)  # nothing listens there: never ready
 
@@ -183,5 +183,5 @@ def test_the_bench_says_what_a_server_that_never_became_ready_was_doing(tmp_path
     assert first_line.startswith(f"the server at {server.url} never became ready within 1 s (no model worker")
     assert "GET /ready" not in str(raised.value)
     assert log_lines[-2:] == ["INFO engine.executor: forked model worker 4242 for the model",
-                              "ERROR engine.engine: model worker failed to start: the model worker did not answer "
+                              "ERROR engine.engine_core: model worker failed to start: the model worker did not answer "
                               "within 240 s while loading the model"]

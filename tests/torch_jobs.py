@@ -67,7 +67,7 @@ def recompute_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int, 
 def _q4_recompute(model, model_dir: str):
     import torch
 
-    from engine.backends.fast_decode import FastDecoder
+    from engine.backends.fast_forward import FastDecoder
     from engine.backends.q4 import Q4Weights, load_q4_kernels
     from engine.config import EngineConfig
     from engine.model_store import gguf_of

@@ -1,6 +1,6 @@
 /* lockstep's bfloat16 kernels for a CPU with AVX512-BF16: the weight matmul, the decode attention over the slot KV
  * cache, RMSNorm and SwiGLU, and a whole decode step of a Llama-shaped model in one call (its matmuls shared with a
- * helper thread). Built and loaded by engine/backends/native.py (-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16
+ * helper thread). Built and loaded by engine/backends/bf16.py (-O3 -mavx512f -mavx512bw -mavx512vl -mavx512bf16
  * -pthread), which checks the kernels against float64 before the engine uses them.
  *
  * Every kernel computes a row the same way whatever else the call holds: each output number is the same sums in the
@@ -8,10 +8,10 @@
  * how a prompt is chunked (batch invariance by construction), and decode steps and prompt chunks compute alike.
  *
  * The matmul: out[M, N] = x[M, K] @ W[N, K].T in bfloat16, accumulated in float32. On one core a decode step is
- * bound by reading the weights, and oneDNN's bfloat16 matmul reads them at about 11 GB/s here, where a plain
- * streaming loop reads about 17 (docs/benchmarks.md). This loop reads each weight once per call and does nothing
- * else. The weight is packed once (native.py, `Bf16Kernels.pack`): [N / 32][K / 2][32 columns][2 k], so one 64-byte
- * load holds 16 output columns' pairs of k, the operand layout of vdpbf16ps. Requires N % 32 == 0, K % 2 == 0. */
+ * bound by reading the weights, and oneDNN's bfloat16 matmul reads them well below what a plain streaming loop
+ * reads (docs/benchmarks.md). This loop reads each weight once per call and does nothing else. The weight is
+ * packed once (bf16.py, `Bf16Kernels.pack`): [N / 32][K / 2][32 columns][2 k], so one 64-byte load holds 16 output
+ * columns' pairs of k, the operand layout of vdpbf16ps. Requires N % 32 == 0, K % 2 == 0. */
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <math.h>
@@ -519,7 +519,7 @@ static void matmul(int shared, const uint16_t *x, const uint16_t *packed, uint16
 }
 
 /* A decode step of a Llama-shaped model in one call: every decoder layer, the final norm and the lm_head. It does
- * what fast_decode.py's per-layer Python does with the kernels above (RMSNorm, q/k/v matmul, rotary embedding, the
+ * what fast_forward.py's per-layer Python does with the kernels above (RMSNorm, q/k/v matmul, rotary embedding, the
  * new keys and values stored in each row's slot, attention, output matmul and residual, RMSNorm, gate/up matmul,
  * SwiGLU, down matmul and residual), with the same roundings, without its ~20 torch calls per layer (a third of a
  * one-row step), and with `helper` set it shares the matmuls with the helper thread.

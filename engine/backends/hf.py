@@ -1,39 +1,19 @@
 """Hugging Face transformers backend: a KV-cached batch that requests join and leave.
 
-The decoding rows live in a preallocated slot cache (kv_cache.py): each row owns a slot, a
-decode step writes every row's new keys and values in place and attends with a mask built
-once per step, so nothing is concatenated or re-padded per step and a row's cost does not
-grow with the batch's history. Each row carries its own position ids, so a short prompt
-batched with a long one computes exactly what it would alone. A step frees finished rows,
-spends a bounded budget on chunked prefill, decodes one token for every decoding row (one
-forward; skipped once when a prompt just produced its first token, which then goes out at once),
-and then lets the prompts finished in this step join: each new request is prefilled
-alone into a cache of its own, a chunk per forward, and joins the batch (its cache copied into
-a slot) after its first token; the prompt with the fewest tokens left goes first. A token late in a long
-prompt attends to everything before it and costs many times one early on (on CPU, about
-1 + context/500 times), so chunks shrink as the context grows and a 7,500-token prompt
-costs every running stream a bounded gap per step, not one long stall.
+Decoding rows live in a preallocated slot cache (kv_cache.py), each with its own position ids, so nothing is
+re-padded per step and a short prompt batched with a long one computes what it would alone. A step frees finished
+rows, feeds prompt chunks within a budget (fewest tokens left first; chunks shrink as the context grows, so a long
+prompt costs the running streams a bounded gap per step, not one long stall), decodes one token for every row
+(skipped once when a prompt just produced its first token, so it goes out at once), and then lets the finished
+prompts join. Llama-shaped models run through fast_forward.py (lockstep's bf16 kernels, oneDNN, or the model's own
+4-bit blocks: `_q4_mode`); other models through their own forward.
 
-Decode steps and prompt chunks of Llama-shaped models in bfloat16 on CPU, or on the embedded
-model's own 4-bit blocks (q4.py, where `weights` resolves to q4: engine/hardware.py and
-`_q4_mode`), run through fast_decode.py's forward (`fast_decode`, on by default); other models
-run the model's own forward. With one torch thread on a CPU with AVX512-BF16, its matmuls, decode attention and
-norms run on lockstep's C kernels (native.py, `bf16_kernel`): every row computed the same way
-whatever the batch, a step in about half the time of oneDNN's (docs/benchmarks.md); elsewhere
-oneDNN computes the matmuls, and the fast forward gives the model's own numbers bit for bit.
+Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones it gets alone. Its
+chunks are planned from its own prompt only, each decode row's attention reads only its own slot, and oneDNN's
+matmuls never decode a lone row (they round one row differently from two or more), so one row is padded to two.
 
-Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones
-it gets alone, bit for bit, whatever else runs. Its prompt chunks are planned from its own
-prompt only (never from a time budget that depends on the others), each decode row's
-attention reads only its own slot (exact zeros and -inf masks elsewhere), and a decode
-step on oneDNN's matmuls never runs at one row: oneDNN's bfloat16 matmul rounds one row
-differently from two or more (measured; at 2..64 rows every row is identical), so one row is
-padded to two. lockstep's kernels compute every row alike, so on them a lone row runs alone.
-Without it, chunks beside running streams are sized to take about `prefill_step_target_s`.
-
-A failure that belongs to one request (its sampler, its prefill) drops that request and is
-reported in the StepOutput; the batch goes on. Only a failure of the shared decode forward
-fails the step.
+A failure that belongs to one request (its sampler, its prefill) drops that request and is reported in the
+StepOutput; only a failure of the shared decode forward fails the step.
 """
 import inspect
 import logging
@@ -48,13 +28,13 @@ from ..config import EngineConfig
 from ..errors import describe
 from ..hardware import choose_dtype, detect_host
 from ..memory import release_freed_memory
-from ..model_store import gguf_of
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
+from ..model_store import gguf_of
 from .base import Backend, resolve_device
+from .bf16 import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
-from .fast_decode import FastDecoder
+from .fast_forward import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
-from .native import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
 from .prefix_cache import PrefixCache, restore
 from .q4 import Q4Kernels, Q4Weights, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
@@ -69,8 +49,8 @@ ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice
 MIN_CHUNK_TOKENS = 16
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
 INVARIANT_MIN_ROWS = 2  # batch invariance: oneDNN's matmuls never run at one row (see the docstring)
-# Batch invariance: a prompt chunk's cost (see `_cost_units`; ~0.5 ms a unit on 2 cores) whatever its context, so a
-# stream beside a long prompt waits about one chunk per step (512 units gave gaps of ~1 s on a loaded 2-core box).
+# Batch invariance: a prompt chunk's cost (see `_cost_units`) whatever its context, so a stream beside a long prompt
+# waits about one such chunk per step: the bound on its gap.
 INVARIANT_CHUNK_UNITS = 256
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
@@ -122,7 +102,7 @@ class HFBackend(Backend):
         self.seconds_per_cost_unit: float | None = None  # measured: see `_chunk_size`
         self.batch_invariant = config.batch_invariant
         self.slot_attention = use_slot_attention(self.model)
-        # A lean decode step over the slot cache (fast_decode.py); None: the model's forward decodes.
+        # A lean decode step over the slot cache (fast_forward.py); None: the model's forward decodes.
         use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model,
                                                                                        any_dtype=q4 is not None)
         kernels = self._bf16_kernels(config) if use_fast and q4 is None else None
@@ -453,8 +433,7 @@ class HFBackend(Backend):
             self.rows[target] = self.rows[source]
         del self.rows[len(self.rows) - len(gone):]
         freed_positions = self.cache.shrink()
-        # Without the trims glibc keeps the peak of every long prompt (measured: 360 MB loaded, 870 MB after
-        # prompts of 2k-7.5k tokens; 694 MB, flat, with them).
+        # Without the trims glibc keeps the peak of every long prompt: the worker's memory would only grow.
         if not self.rows or freed_positions >= TRIM_AFTER_COLUMNS:
             release_freed_memory()
 
@@ -463,8 +442,8 @@ def _q4_mode(config: EngineConfig, gguf: str | None, host) -> tuple[str, str]:
     """How to compute on the model's 4-bit blocks ("q4": 8-bit activations, "exact": float32 ones, "": not on
     them), and why not where it is "". `exact` where the model ships them and the dtype is float32 or auto (the
     blocks' own numbers: the same as the float32 dequantized model but for the order of sums); `auto`: q4 where
-    the model ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16:
-    measured there at 1.2x llama.cpp's 4-bit server, docs/benchmarks.md)."""
+    the model ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16: the
+    bfloat16 model is fast there without rounding its weights, docs/benchmarks.md)."""
     if config.weights == "q4":
         return "q4", ""
     if config.weights == "exact":

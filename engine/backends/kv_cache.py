@@ -7,15 +7,14 @@ Nothing is concatenated per step and no row is ever re-padded when another joins
 row that leaves is replaced by the last one (one row copied). The storage grows in whole pages
 of positions and in groups of slots, so its shape changes rarely, and shrinks when the longest
 row leaves. A step attends over the whole capacity: a view of fewer positions is not contiguous,
-and the CPU matmuls then copy every row's keys and values first (measured: 3x slower).
+and the CPU matmuls then copy every row's keys and values first (docs/benchmarks.md: 3x slower).
 
 Rows are left-aligned (position p of a row is column p), positions past a row's length hold
 zeros and are masked with -inf. `slot_attention` computes a decode step's attention with two
 matmuls, grouped by KV head: on CPU it is an order of magnitude faster than SDPA's flash kernel
-for one query token (measured: 0.6 vs 9.4 ms per layer for 8 rows x 1,000 positions, bfloat16),
-and every row's result is bit-identical whatever the other rows, the batch size or the span
-(each score is one dot product; masked positions add exact zeros): the basis of batch-invariant
-greedy decoding.
+for one query token (docs/benchmarks.md), and every row's result is bit-identical whatever the
+other rows, the batch size or the span (each score is one dot product; masked positions add exact
+zeros): the basis of batch-invariant greedy decoding.
 """
 import logging
 
@@ -28,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 SLOT_ATTENTION = "lockstep_slots"
 PAGE_TOKENS = 64  # capacity grows (and shrinks) in multiples of this many positions (every step reads all of
-# it: 256 made 16 rows of short answers ~6% slower per step, measured; growing copies the cache, ~0.3 ms a step)
+# it, so larger pages slow short answers; growing copies the cache, so smaller pages copy more often)
 SLOT_GROUP = 2  # slots are allocated in pairs: at most one row's worth unused (the KV budget counts rows)
 SHRINK_AFTER_TOKENS = 2 * PAGE_TOKENS  # positions per slot no row needs any more before the storage shrinks
 

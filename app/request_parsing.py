@@ -209,8 +209,7 @@ def prompts_field(body: dict, max_prompts: int, name: str = "prompts") -> list[s
         raise missing_field(name)
     if not isinstance(value, list) or not value:
         raise InvalidRequest(f"{name} must be a non-empty list of strings", name)
-    if len(value) > max_prompts:
-        raise InvalidRequest(f"at most {max_prompts} prompts per request", name)
+    _check_num_prompts(value, max_prompts, name)
     return [prompt_field({name: p}, name) for p in value]
 
 
@@ -223,8 +222,7 @@ def completion_prompts(body: dict, max_prompts: int) -> list[str | list[int]]:
     if value and all(_is_int(i) for i in value):
         return [value]
     if value and all(isinstance(p, list) for p in value):
-        if len(value) > max_prompts:
-            raise InvalidRequest(f"at most {max_prompts} prompts per request", "prompt")
+        _check_num_prompts(value, max_prompts, "prompt")
         if not all(p and all(_is_int(i) for i in p) for p in value):
             raise InvalidRequest("each token-id prompt must be a non-empty list of integers", "prompt")
         return value
@@ -232,6 +230,11 @@ def completion_prompts(body: dict, max_prompts: int) -> list[str | list[int]]:
         raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or a list of "
                              "token-id lists (not a mix)", "prompt")
     return prompts_field(body, max_prompts, "prompt")
+
+
+def _check_num_prompts(prompts: list, max_prompts: int, name: str) -> None:
+    if len(prompts) > max_prompts:
+        raise InvalidRequest(f"at most {max_prompts} prompts per request", name)
 
 
 def _is_int(value) -> bool:

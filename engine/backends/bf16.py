@@ -292,8 +292,7 @@ def _is_bf16_cpu(*tensors: torch.Tensor) -> bool:
 class _HugePageArena:
     """Memory for packed weights that Linux may back with 2 MB pages (transparent huge pages on request, the
     default mode): every decode step streams all the weights, and through 4 KB pages the core reads them more
-    slowly (measured on SmolLM2: a step of 1 row 22 -> 17 ms, of 8 rows 30 -> 25 ms). Where huge pages are not
-    offered, it is plain memory."""
+    slowly (docs/benchmarks.md). Where huge pages are not offered, it is plain memory."""
 
     def __init__(self):
         self._free = torch.empty(0, dtype=torch.uint8)

@@ -8,9 +8,9 @@ import os
 import re
 from pathlib import Path
 
-from ..config import DEFAULT_MODEL, EngineConfig, default_cache_dir
-from ..errors import BackendUnavailable
-from ..hardware import available_cores
+from .config import DEFAULT_MODEL, EngineConfig, default_cache_dir
+from .errors import BackendUnavailable
+from .hardware import available_cores
 
 PARALLEL_SETTINGS = "LOCKSTEP_TENSOR_PARALLEL_SIZE / LOCKSTEP_PIPELINE_PARALLEL_SIZE"
 
@@ -106,7 +106,7 @@ def read_model_config(config: EngineConfig) -> dict | None:
 
 def model_config_path(config: EngineConfig) -> Path | None:
     if config.model == DEFAULT_MODEL:
-        from ..model_store import default_model_dir
+        from .model_store import default_model_dir
 
         return default_model_dir(config.cache_dir or default_cache_dir()) / "config.json"
     if Path(config.model).is_dir():

@@ -1,32 +1,23 @@
 """The transformers backend's forward for Llama-shaped models, decode steps and prompt chunks, with less around
 it than transformers' forward, on one of two kinds of kernels:
 
-- lockstep's C kernels (native.py, bf16_kernels.c), where they run: bfloat16, one torch thread, a CPU with
-  AVX512-BF16 and a C compiler. The weight matmuls, the decode attention over the slot cache, the RMSNorms and
-  SwiGLU; each streams its data once, and every row is computed the same way whatever else the step holds. A
-  decode step is then one C call (every layer, the final norm, the lm_head; its matmuls shared with the kernels'
-  helper thread), about a third of the oneDNN path's time (docs/benchmarks.md); the numbers differ from
+- lockstep's C kernels (bf16.py, bf16_kernels.c), where they run: bfloat16, one torch thread, a CPU with
+  AVX512-BF16 and a C compiler. Each streams its data once and computes every row the same way whatever else the
+  step holds; a decode step is one C call (every layer, the final norm, the lm_head). The numbers differ from
   transformers' by rounding only (tests/test_bf16_kernels.py: as close to float32 as oneDNN's).
-- oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/test_fast_decode.py).
-  oneDNN reads bfloat16 weights in their plain layout at about a third of the memory bandwidth (every layer's
-  weights, 212 MB, one thread: 28 ms at 1 row and 51 ms at 16 rows), so each weight is reordered once into its
-  blocked layout (18 and 26 ms), used only where it gives the plain matmul's numbers bit for bit.
+- oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/test_fast_forward.py), each
+  weight reordered once into oneDNN's blocked layout (read much faster than the plain one: docs/benchmarks.md)
+  where that gives the plain matmul's numbers bit for bit.
 
 On the embedded model's own 4-bit blocks (q4.py, `FastDecoder(model, q4=...)`), decode steps and prompt chunks are
 each one call of lockstep's 4-bit kernels, which compute a chunk as decode steps (the same bits) and every row alike.
 
-Otherwise, this forward:
-- fuses the q/k/v projections into one matmul and gate/up into another (210 matmul calls a step become 120).
-  The fused weights are the storage: the model's own q/k/v and gate/up weights become views of them, so its
-  forward (kept for other models and the fallbacks) reads the same numbers. Memory: the worker's resident set
-  grows from about 0.65 to 1.0 GB (the packed or reordered copies, 270 MB, and the fused weights, which the loaded
-  ones do not give back);
-- runs each layer as a flat sequence of tensor ops: decode steps on the slot KV cache (kv_cache.py: keys and
-  values written in place), prompt chunks on the prompt's own DynamicCache with transformers' SDPA attention and
-  the model's own masks.
-On oneDNN every other op is the one transformers runs, in the same order and dtypes (the model's own RMSNorm
-modules and rotary module, the slot attention's own function, softmax in float32), so a row's result does not
-depend on the other rows as for the model's forward, and batch invariance holds (tests/test_batch_invariance.py).
+Otherwise, this forward fuses the q/k/v projections into one matmul and gate/up into another (fewer calls a step).
+The fused weights are the storage: the model's own weights become views of them, so its forward (kept for other
+models and the fallbacks) reads the same numbers. Each layer runs as a flat sequence of tensor ops: decode steps on
+the slot KV cache (kv_cache.py), prompt chunks on the prompt's own DynamicCache with transformers' SDPA attention
+and the model's own masks. On oneDNN every other op is the one transformers runs, in the same order and dtypes, so
+a row's result does not depend on the other rows and batch invariance holds (tests/test_batch_invariance.py).
 
 Used for bfloat16 on CPU (in float32, MKL computes one row differently from several, and a fused weight
 differently from its parts, so fusing would change the numbers there). Models this does not understand (biases,
@@ -41,8 +32,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .bf16 import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
 from .kv_cache import SlotKVCache, one_query_attention
-from .native import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
 from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights
 
 logger = logging.getLogger(__name__)
@@ -53,11 +44,10 @@ PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows
 
 class Linear:
     """`x @ weight.T`: lockstep's one-core kernel where it was given the kernels and they take this weight
-    (native.py),
-    else oneDNN with the weight reordered once into its blocked layout where that computes the plain matmul's
-    numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call (measured, one thread,
-    every layer's weights at 1 / 16 rows: 28 / 51 ms plain, 18 / 26 ms reordered). The reordered copy is checked
-    bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain one is used."""
+    (bf16.py), else oneDNN with the weight reordered once into its blocked layout where that computes the plain
+    matmul's numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call. The reordered
+    copy is checked bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain
+    one is used."""
 
     def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None):
         self.weight = weight

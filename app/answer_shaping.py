@@ -1,4 +1,5 @@
-"""Choices (n samples per prompt) and log-probabilities in OpenAI's shapes, from the engine's outputs.
+"""Shaping answers: choices (n samples per prompt) and log-probabilities in OpenAI's shapes, from the engine's
+outputs.
 
 Chat:        choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
 Completions: choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}

@@ -1,4 +1,4 @@
-"""The lean decode step (engine/backends/fast_decode.py) against the model's own forward over the same slot cache:
+"""The lean decode step (engine/backends/fast_forward.py) against the model's own forward over the same slot cache:
 the same logits and the same cached keys and values, bit for bit, in bfloat16 (the embedded SmolLM2, oneDNN's
 reordered weights, and a tiny random Llama), as rows join, decode and leave; prompt chunks likewise; and the
 backend's step that returns a finished prompt's first token before the streams decode."""
@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from engine.backends import fast_decode
-from engine.backends.fast_decode import FastDecoder, Linear
+from engine.backends import fast_forward
+from engine.backends.fast_forward import FastDecoder, Linear
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.config import EngineConfig
@@ -165,7 +165,7 @@ def test_models_it_does_not_understand_keep_their_own_forward():
     assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny)))  # float32: MKL, see the module's docstring
     assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, attention_bias=True)).to(torch.bfloat16))
     assert not FastDecoder.supports(LlamaForCausalLM(LlamaConfig(**tiny, hidden_act="gelu")).to(torch.bfloat16))
-    assert fast_decode.SUPPORTED_MODEL_TYPES >= {"llama"}
+    assert fast_forward.SUPPORTED_MODEL_TYPES >= {"llama"}
 
 
 @torch.inference_mode()

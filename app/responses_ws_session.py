@@ -1,0 +1,225 @@
+"""OpenAI's Responses API in WebSocket mode, `ws://HOST/v1/responses`, as `client.responses.connect()` speaks it.
+
+Client events: `response.create` with the fields of POST /v1/responses, plus `stream_id` (a lane) and
+`generate` (false: prepare a conversation to continue, make nothing). Per response the server sends, each
+with a `sequence_number` counting from 0 within it: response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta (one per detokenized
+piece), response.output_text.done, response.content_part.done, response.output_item.done, then
+response.completed or response.incomplete (response.failed, with the error, if the engine fails it). A request
+that cannot start gets an `error` event {type, status, error: {type, code, message, param}}; the socket stays
+usable. `response.steer` is refused (no tools, nothing to steer).
+
+Lanes: responses with the same stream_id (or none) run one after another in the order sent, so a turn may
+name the one before it while that still runs; different lanes run at once. At most MAX_WAITING creates wait
+per socket (past that: `response_already_in_flight`). The socket remembers its last responses for
+previous_response_id (also those with store: false); stored ones resolve anywhere. Closing the socket cancels
+its responses. The socket itself (key from the handshake, origins, socket cap, idle close, frame limit,
+drain) is app/sockets.py's and app/socket_session.py's, as for /ws; the route is app/responses_ws.py.
+"""
+import json
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from engine import DeltaEvent, EngineError, FinishReason, RequestOutput
+
+from .errors import INVALID_VALUE, ApiError, invalid_value, unsupported_field
+from .request_parsing import checked_fields, shown_name
+from .response_store import ResponseStore, StoredResponse
+from .responses import (RESPONSES, Turn, in_progress_object, output_message, output_text_part, parse_turn, remember,
+                        response_object)
+from .socket_session import SocketSession
+from .socket_transport import SocketTransport
+from .state import AppState
+
+logger = logging.getLogger(__name__)
+
+WS_ONLY_FIELDS = ("type", "stream_id", "generate", "stream")  # the envelope: not part of POST /v1/responses
+MAX_LANE_LENGTH = 128
+MAX_WAITING = 4  # creates queued behind busy lanes, per socket (each may be a 256 KiB frame)
+RECENT_ENTRIES, RECENT_BYTES = 8, 4 << 20  # what a socket remembers of its own responses
+MAX_FRAME_BYTES = 1 << 20  # the SDK's (and websockets') default message limit
+FINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete",
+                "cancelled": "response.incomplete", "failed": "response.failed"}
+FRAME_TOO_LARGE = ApiError(500, "this event would be larger than a 1 MiB frame", "frame_too_large",
+                           type_="server_error")
+
+
+@dataclass
+class Running:
+    """A response on its way: its turn, its lane, the next sequence_number of its events."""
+
+    turn: Turn
+    lane: str | None
+    item_id: str = ""
+    next_number: int = 0
+
+    @property
+    def reference(self) -> str | None:
+        return self.lane
+
+    def number(self) -> int:
+        self.next_number += 1
+        return self.next_number - 1
+
+    @property
+    def text_ref(self) -> dict:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+
+class ResponsesSession(SocketSession):
+    streams: dict[str, Running]
+
+    def __init__(self, transport: SocketTransport, state: AppState, client: str):
+        # The guards refused a handshake without the key (when the server has one): the socket is authenticated.
+        super().__init__(transport, state, client, is_authenticated=True)
+        self.waiting: dict[str | None, deque] = {}  # lane -> response.create events waiting for it
+        self.recent = ResponseStore(RECENT_ENTRIES, RECENT_BYTES)
+
+    # -- the protocol's hooks -------------------------------------------------------------------------------
+
+    def reference_of(self, message: dict):
+        lane = message.get("stream_id")
+        return lane if isinstance(lane, str) and len(lane) <= MAX_LANE_LENGTH else None
+
+    def error_frame(self, lane, error: ApiError) -> dict:
+        frame = {"type": "error", "status": error.status, "error": {
+            "type": error.type, "code": error.code, "message": error.message, "param": error.param}}
+        if lane is not None:
+            frame["stream_id"] = lane
+        return frame
+
+    def on_message(self, message: dict) -> None:
+        match message.get("type"):
+            case "response.create":
+                self._create(message)
+            case "response.steer":
+                raise unsupported_field("type", "response.steer is not supported: there is nothing to steer (no "
+                                                "tools); send a response.create with previous_response_id")
+            case other:
+                raise ApiError(400, f"unknown event type {shown_name(str(other))!r}; send response.create",
+                               INVALID_VALUE, "type")
+
+    def on_engine_event(self, item) -> None:
+        match item:
+            case DeltaEvent():
+                self._on_delta(item)
+            case RequestOutput():
+                self._on_finished(item)
+
+    # -- creating ---------------------------------------------------------------------------------------------
+
+    def _create(self, message: dict) -> None:
+        lane = _lane(message.get("stream_id"))
+        if not self._is_busy(lane):
+            self._start(message, lane)
+            return
+        if sum(len(q) for q in self.waiting.values()) >= MAX_WAITING:
+            raise ApiError(409, f"a response is already in flight on this lane and {MAX_WAITING} more wait on "
+                                "this socket; wait for one to finish (or use another stream_id)",
+                           "response_already_in_flight", "stream_id")
+        self.waiting.setdefault(lane, deque()).append(message)
+
+    def _start(self, message: dict, lane: str | None) -> None:
+        generate = _flag(message, "generate")
+        _flag(message, "stream")  # implicit over a socket: either value streams
+        body = checked_fields({k: v for k, v in message.items() if k not in WS_ONLY_FIELDS}, RESPONSES)
+        turn = parse_turn(body, self.engine, self._find_previous, generate=generate)
+        running = Running(turn, lane)
+        if not generate:
+            self._prepare(running)
+            return
+        request_id = f"wsr-{uuid.uuid4().hex[:12]}"
+        self.engine.submit(None, turn.sampling, messages=turn.messages, request_id=request_id, sink=self.inbox,
+                           client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt)
+        running.item_id = f"msg_{uuid.uuid4().hex}"
+        self.streams[request_id] = running
+        self._emit(running, "response.created", response=in_progress_object(turn))
+        self._emit(running, "response.in_progress", response=in_progress_object(turn))
+        self._emit(running, "response.output_item.added", output_index=0, item=output_message(None, running.item_id))
+        self._emit(running, "response.content_part.added", **running.text_ref, part=output_text_part(""))
+
+    def _prepare(self, running: Running) -> None:
+        """generate: false: the conversation is kept for a next turn; nothing is made."""
+        response = response_object(running.turn, None)
+        self._remember(running.turn, response)
+        self._emit(running, "response.created", response=in_progress_object(running.turn))
+        self._emit(running, "response.completed", response=response)
+
+    def _start_waiting(self, lane: str | None) -> None:
+        """The lane is free: start what waits for it (a create that now fails gets its error, the next one runs)."""
+        queued = self.waiting.get(lane)
+        while queued and not self._is_busy(lane):
+            message = queued.popleft()
+            try:
+                self._start(message, lane)
+            except (ApiError, EngineError) as exc:
+                self.send_error(lane, exc)
+        if not queued:
+            self.waiting.pop(lane, None)
+
+    def _is_busy(self, lane: str | None) -> bool:
+        return any(running.lane == lane for running in self.streams.values())
+
+    def _find_previous(self, response_id: str) -> StoredResponse | None:
+        return self.recent.get(response_id) or self.state.responses.get(response_id)
+
+    # -- streaming and finishing --------------------------------------------------------------------------
+
+    def _on_delta(self, event: DeltaEvent) -> None:
+        running = self.streams.get(event.request_id)
+        if running is not None and event.text:
+            self._emit(running, "response.output_text.delta", **running.text_ref, delta=event.text, logprobs=[])
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        running = self.streams.pop(output.request_id, None)
+        if running is None:
+            return
+        response = response_object(running.turn, output, running.item_id)
+        if output.finish_reason is not FinishReason.ERROR:
+            self._emit_text_done(running, output)
+        self._emit(running, FINAL_EVENTS[response["status"]], response=response)
+        self._remember(running.turn, response)
+        logger.info("ws response %s finish=%s tokens=%d e2e_ms=%.0f", running.turn.response_id,
+                    output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
+        self._start_waiting(running.lane)
+
+    def _emit_text_done(self, running: Running, output: RequestOutput) -> None:
+        self._emit(running, "response.output_text.done", **running.text_ref, text=output.text, logprobs=[])
+        self._emit(running, "response.content_part.done", **running.text_ref, part=output_text_part(output.text))
+        self._emit(running, "response.output_item.done", output_index=0,
+                   item=output_message(output, running.item_id))
+
+    def _emit(self, running: Running, event_type: str, **fields) -> None:
+        event = {"type": event_type, "sequence_number": running.number(), **fields}
+        if running.lane is not None:
+            event["stream_id"] = running.lane
+        text = json.dumps(event)
+        if len(text) > MAX_FRAME_BYTES:  # ASCII (json escapes the rest): characters are bytes
+            logger.warning("response %s: a %s event of %d bytes replaced by an error", running.turn.response_id,
+                           event_type, len(text))
+            text = json.dumps({**self.error_frame(running.lane, FRAME_TOO_LARGE), "sequence_number": event[
+                "sequence_number"]})
+        self.transport.send_text(text)
+
+    def _remember(self, turn: Turn, response: dict) -> None:
+        remember(turn, response, [self.recent, self.state.responses] if turn.store else [self.recent])
+
+
+def _lane(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_LANE_LENGTH:
+        raise invalid_value("stream_id", f"stream_id must be a non-empty string of at most {MAX_LANE_LENGTH} "
+                                         "characters")
+    return value
+
+
+def _flag(message: dict, name: str) -> bool:
+    value = message.get(name)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise invalid_value(name, f"{name} must be true or false")
+    return value

@@ -1,0 +1,158 @@
+"""The /ws protocol: typed JSON frames, several streams per socket told apart by the client's `id`.
+
+Frames in: generate, cancel, auth. Frames out: start, delta, done, error. Each generate frame that starts
+becomes a ChatStream, the session's one record of it, from `start` to its `done` (or error) frame. Closing the
+socket cancels its running streams; an error frame leaves the socket usable.
+"""
+import logging
+import uuid
+from dataclasses import dataclass
+
+from wsproto.frame_protocol import CloseReason
+
+from engine import DeltaEvent, FinishReason, InvalidRequest, RequestOutput, SamplingParams
+
+from .answer_shaping import chat_logprob_content
+from .errors import (AUTH_REQUIRED, INVALID_API_KEY, INVALID_VALUE, ApiError, from_failed_output, invalid_value,
+                     missing_field, ws_error)
+from .guards import keys_match
+from .request_parsing import WS_GENERATE, checked_fields, messages_field, prompt_field, sampling_fields
+from .socket_session import SessionClosing, SocketSession
+
+logger = logging.getLogger(__name__)
+
+MAX_ID_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class ChatStream:
+    """One running generate frame: the client's id for it, the engine's, and what it asked for."""
+
+    client_id: str
+    request_id: str
+    sampling: SamplingParams
+
+    @property
+    def reference(self) -> str:
+        return self.client_id
+
+    @property
+    def has_samples(self) -> bool:
+        """n > 1: its deltas carry their sample's `index`, its done frame the samples' finish reasons."""
+        return self.sampling.n > 1
+
+    @property
+    def has_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
+
+class ChatSession(SocketSession):
+    streams: dict[str, ChatStream]
+
+    def reference_of(self, message: dict):
+        return _printable_id(message.get("id"))
+
+    def error_frame(self, reference, error: ApiError) -> dict:
+        return ws_error(reference, error)
+
+    def on_engine_event(self, item) -> None:
+        match item:
+            case DeltaEvent():
+                self.transport.send(self._delta_frame(item))
+            case RequestOutput():
+                self._on_finished(item)
+
+    def on_message(self, message: dict) -> None:
+        match message.get("type"):
+            case "generate":
+                self._start(message)
+            case "cancel":
+                self._cancel(message)
+            case "auth":
+                self.transport.send({"type": "ready"})
+            case other:
+                raise ApiError(400, f"unknown message type {other!r}; use generate or cancel", INVALID_VALUE,
+                               "type")
+
+    def authenticate(self, message: dict) -> None:
+        """The first frame of a socket without a key on its handshake: {"type": "auth", "api_key": "..."}."""
+        if message.get("type") != "auth":
+            error = ApiError(401, 'authenticate first: {"type": "auth", "api_key": "..."}', AUTH_REQUIRED)
+        elif not keys_match(message.get("api_key"), self.settings.api_key):
+            error = ApiError(401, "invalid API key", INVALID_API_KEY)
+        else:
+            self.is_authenticated = True
+            self.transport.send({"type": "ready"})
+            return
+        self.transport.send(ws_error(None, error))
+        raise SessionClosing(CloseReason.POLICY_VIOLATION, error.message)
+
+    # -- a stream's life ------------------------------------------------------------------------------------
+
+    def _start(self, message: dict) -> None:
+        client_id = _client_id(message)
+        if self._stream_of(client_id) is not None:
+            raise ApiError(409, f"a request with id {client_id!r} is already running on this socket", "duplicate_id",
+                           "id")
+        message = checked_fields(message, WS_GENERATE)
+        if "messages" in message:
+            prompt, messages = None, messages_field(message)
+        else:
+            prompt, messages = prompt_field(message), None
+        sampling = sampling_fields(message, self.engine)
+        if sampling.num_samples > sampling.n:
+            raise InvalidRequest("best_of cannot be streamed (the samples not returned would be); use REST",
+                                 "best_of")
+        request_id = f"ws-{uuid.uuid4().hex[:12]}"
+        self.engine.submit(prompt, sampling, messages=messages, request_id=request_id, sink=self.inbox,
+                           client_id=self.client, timeout_s=message.get("timeout"),
+                           cache_salt=message.get("cache_salt"))
+        self.streams[request_id] = ChatStream(client_id, request_id, sampling)
+        self.transport.send({"type": "start", "id": client_id})
+
+    def _delta_frame(self, event: DeltaEvent) -> dict:
+        """`index` with n > 1; `logprobs` (chat's content entries, for the tokens since the last delta) when asked."""
+        stream = self.streams.get(event.request_id)
+        frame = {"type": "delta", "id": stream.client_id if stream else None, "text": event.text}
+        if stream is not None and stream.has_samples:
+            frame["index"] = event.index
+        if stream is not None and stream.has_logprobs:
+            frame["logprobs"] = chat_logprob_content(event.logprobs, self.engine.token_texts)
+        return frame
+
+    def _cancel(self, message: dict) -> None:
+        client_id = _client_id(message)
+        stream = self._stream_of(client_id)
+        if stream is None:
+            raise ApiError(404, f"no running request with id {client_id!r}", "unknown_id", "id")
+        self.engine.cancel(stream.request_id)  # its `done` (finish_reason abort) follows from the engine
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        stream = self.streams.pop(output.request_id, None)
+        client_id = stream.client_id if stream else None
+        if output.finish_reason is FinishReason.ERROR:
+            self.transport.send(ws_error(client_id, from_failed_output(output)))
+        else:
+            done = {"type": "done", "id": client_id, "finish_reason": output.finish_reason.value,
+                    "usage": output.usage.as_dict(), "timing": output.timings.as_dict()}
+            if stream is not None and stream.has_samples:
+                done["choices"] = [{"index": c.index, "finish_reason": c.finish_reason.value} for c in output.choices]
+            self.transport.send(done)
+        logger.info("ws request %s finish=%s tokens=%d e2e_ms=%.0f", output.request_id,
+                    output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
+
+    def _stream_of(self, client_id: str) -> ChatStream | None:
+        return next((stream for stream in self.streams.values() if stream.client_id == client_id), None)
+
+
+def _client_id(message: dict) -> str:
+    client_id = message.get("id")
+    if client_id is None:
+        raise missing_field("id")
+    if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_LENGTH:
+        raise invalid_value("id", f"id must be a non-empty string of at most {MAX_ID_LENGTH} characters")
+    return client_id
+
+
+def _printable_id(client_id):
+    return client_id if isinstance(client_id, str) and len(client_id) <= MAX_ID_LENGTH else None
