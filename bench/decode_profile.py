@@ -2,7 +2,7 @@
 
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
     python -m bench.decode_profile --paths [--compile]
-    python -m bench.decode_profile --prefill
+    python -m bench.decode_profile --prefill [--against OTHER/q4_kernels.c]
 
 A served token costs one decode step, so these tables decide the backend's forward and its kernels. By default: ms
 per step for each design of the step (from the one the backend started from to lockstep's kernels in one C call
@@ -238,28 +238,48 @@ PREFILL_CHUNK = 160
 PREFILL_DEPTHS = (0, 800, 1700)
 
 
-def prefill_table(model, num_steps: int) -> list[str]:
-    """ms for a PREFILL_CHUNK-token prompt chunk on the 4-bit path after PREFILL_DEPTHS cached positions."""
-    from engine.backends.q4 import Q4Weights, load_q4_kernels
+def prefill_table(model, num_steps: int, against: str | None = None) -> list[str]:
+    """ms for a PREFILL_CHUNK-token prompt chunk on the 4-bit path after PREFILL_DEPTHS cached positions, on this
+    tree's kernels and, with `against`, on those of another q4_kernels.c, calls alternated (this host's speed
+    drifts: only an interleaved comparison says which is faster); the logits must be the same bits."""
+    from pathlib import Path
+    from tempfile import mkdtemp
+
+    from engine.backends import q4
     from engine.model_store import gguf_of
 
-    weights = Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), model.config)
+    weights = q4.Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), model.config)
     weights.give_model_the_same_weights(model)
     ids = torch.randint(100, 20000, (max(PREFILL_DEPTHS) + PREFILL_CHUNK,), generator=torch.Generator().manual_seed(0))
-    rows = [f"| {PREFILL_CHUNK}-token prompt chunk, ms | " + " | ".join(f"after {d} positions" for d in PREFILL_DEPTHS)
-            + " |", "|---|" + "---:|" * len(PREFILL_DEPTHS)]
+    helpers, rows = (os.cpu_count() or 1) - 1, []
+    sources = {"this tree": q4.SOURCE, **({against: Path(against)} if against else {})}
     for exact in (False, True):
-        helpers = (os.cpu_count() or 1) - 1
-        kernels = load_q4_kernels(EngineConfig().cache_dir, helpers, exact)
-        if kernels is None:
-            continue
-        decoder = FastDecoder(model, q4=(kernels, weights))
-        cache = decoder.new_prompt_cache(len(ids))
-        decoder.prefill(ids[:max(PREFILL_DEPTHS)], 0, cache)
-        cells = [f"{timed(lambda d=d: decoder.prefill(ids[d:d + PREFILL_CHUNK], d, cache), num_steps)[0]:.0f}"
-                 for d in PREFILL_DEPTHS]
-        rows.append(f"| {'float32' if exact else '8-bit'} activations, {helpers + 1} thread(s) | {' | '.join(cells)} |")
-    return rows
+        decoders = {}
+        for name, source in sources.items():
+            with mock.patch.object(q4, "SOURCE", source):
+                kernels = q4.load_q4_kernels(EngineConfig().cache_dir if source == q4.SOURCE else mkdtemp(),
+                                             helpers, exact)
+            if kernels is not None:
+                decoder = FastDecoder(model, q4=(kernels, weights))
+                cache = decoder.new_prompt_cache(len(ids))
+                decoder.prefill(ids[:max(PREFILL_DEPTHS)], 0, cache)
+                decoders[name] = decoder, cache
+        walls = {(name, depth): [] for name in decoders for depth in PREFILL_DEPTHS}
+        for depth in PREFILL_DEPTHS:
+            logits = {}
+            for _ in range(num_steps):
+                for name, (decoder, cache) in decoders.items():
+                    started = time.perf_counter()
+                    logits[name] = decoder.prefill(ids[depth:depth + PREFILL_CHUNK], depth, cache)
+                    walls[name, depth].append(time.perf_counter() - started)
+            if len({tuple(t.tolist()) for t in logits.values()}) > 1:
+                raise AssertionError(f"the kernels disagree after {depth} positions")
+        for name in decoders:
+            cells = [f"{statistics.median(walls[name, depth]) * 1e3:.0f}" for depth in PREFILL_DEPTHS]
+            rows.append(f"| {name}, {'float32' if exact else '8-bit'} activations, {helpers + 1} thread(s) | "
+                        f"{' | '.join(cells)} |")
+    header = " | ".join(f"after {depth} positions" for depth in PREFILL_DEPTHS)
+    return [f"| {PREFILL_CHUNK}-token prompt chunk, ms | {header} |", "|---|" + "---:|" * len(PREFILL_DEPTHS), *rows]
 
 
 PATH_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "asimd", "bf16"}
@@ -304,6 +324,7 @@ def main() -> None:
     parser.add_argument("--paths", action="store_true", help="the weight matmuls on every path this host offers")
     parser.add_argument("--compile", action="store_true", help="with --paths: also inductor's int8 matmul")
     parser.add_argument("--prefill", action="store_true", help="a prompt chunk on the 4-bit path, shallow and deep")
+    parser.add_argument("--against", help="with --prefill: another q4_kernels.c to alternate with this tree's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model_path = resolve_model(EngineConfig())
@@ -314,9 +335,10 @@ def main() -> None:
             print("\n".join(paths_table(config_only, args.steps, args.compile)))
         return
     if args.prefill:
+        torch.set_num_threads(1)  # as in the worker: torch's own spinning threads would take the kernels' helper's core
         with torch.inference_mode():
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-            print("\n".join(prefill_table(model, args.steps)))
+            print("\n".join(prefill_table(model, args.steps, args.against)))
         return
     # Side costs first: the executor forks a worker, which must happen before this process starts torch threads.
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()
