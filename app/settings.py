@@ -35,6 +35,18 @@ class ServerSettings:
 
     def __post_init__(self):
         self.allowed_origins = tuple(origin.rstrip("/") for origin in self.allowed_origins)
+        for name in ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes", "responses_store_entries",
+                     "responses_store_bytes", "workers", "http_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("ws_ping_interval_s", "ws_idle_timeout_s", "ws_auth_timeout_s", "header_timeout_s",
+                     "body_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):  # NaN fails too
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if not 0 <= self.drain_timeout_s < float("inf"):  # 0: SIGTERM cancels at once
+            raise ValueError(f"drain_timeout_s must be a number of seconds >= 0, got {self.drain_timeout_s}")
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "ServerSettings":

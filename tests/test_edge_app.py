@@ -347,3 +347,26 @@ def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir,
     finally:
         slow_steps.clear()
         live.stop()
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("LOCKSTEP_WS_PING_INTERVAL_S", "nan", "ws_ping_interval_s must be a positive number"),
+    ("LOCKSTEP_WS_IDLE_TIMEOUT_S", "0", "ws_idle_timeout_s must be a positive number"),
+    ("LOCKSTEP_HEADER_TIMEOUT_S", "inf", "header_timeout_s must be a positive number"),
+    ("LOCKSTEP_DRAIN_TIMEOUT_S", "-1", "drain_timeout_s must be a number of seconds >= 0"),
+    ("LOCKSTEP_MAX_SOCKETS", "0", "max_sockets must be at least 1"),
+    ("LOCKSTEP_WS_MAX_MESSAGE_BYTES", "-5", "ws_max_message_bytes must be at least 1"),
+    ("LOCKSTEP_PORT", "70000", "port must be 0..65535"),
+    ("LOCKSTEP_MAX_PROMPTS", "many", "LOCKSTEP_MAX_PROMPTS must be a number, got 'many'"),
+])
+def test_a_setting_out_of_range_is_refused_by_name(variable, value, says):
+    with pytest.raises(ValueError, match=says):
+        ServerSettings.from_env({variable: value})
+
+
+def test_settings_in_range_are_taken_and_empty_means_the_default():
+    settings = ServerSettings.from_env({"LOCKSTEP_DRAIN_TIMEOUT_S": "0", "LOCKSTEP_WS_PING_INTERVAL_S": "2.5",
+                                        "LOCKSTEP_MAX_SOCKETS": "", "LOCKSTEP_ALLOWED_ORIGINS": "http://a.test/, b"})
+    assert (settings.drain_timeout_s, settings.ws_ping_interval_s) == (0.0, 2.5)
+    assert settings.max_sockets == ServerSettings().max_sockets
+    assert settings.allowed_origins == ("http://a.test", "b")
