@@ -28,7 +28,7 @@ from .state import AppState
 logger = logging.getLogger(__name__)
 
 TICK_S = 1.0  # how often an idle session looks at its timers (auth, idle, drain)
-INTERNAL = ApiError(500, INTERNAL_ERROR_MESSAGE, INTERNAL_ERROR)
+INTERNAL = ApiError(500, INTERNAL_ERROR_MESSAGE, INTERNAL_ERROR, type_="server_error")
 
 
 @dataclass(frozen=True)

@@ -213,3 +213,17 @@ def test_origins_and_frame_limits_are_those_of_ws(server):
     opcode, data = ws.ws.recv_data(control_frame=True)
     assert opcode == websocket.ABNF.OPCODE_CLOSE and int.from_bytes(data[:2], "big") == 1009
     assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_a_bug_below_the_socket_is_a_server_error_event(server, raw, monkeypatch):
+    def broken_submit(*args, **kwargs):  # fault injection: a bug while starting the response
+        raise RuntimeError("template exploded")
+
+    monkeypatch.setattr(server.state.engine, "submit", broken_submit)
+    raw.send({"type": "response.create", "input": "Hi", "max_output_tokens": 2})
+    error = raw.recv()
+    assert (error["type"], error["status"], error["error"]["code"], error["error"]["type"]) == \
+        ("error", 500, "internal_error", "server_error")
+    monkeypatch.undo()
+    raw.send({"type": "response.create", "input": "Hi", "max_output_tokens": 2})
+    assert raw_until_final(raw)[-1]["type"] in FINAL[:2]
