@@ -16,6 +16,7 @@ from gunicorn import http
 from gunicorn.workers.gthread import ThreadWorker
 from werkzeug.exceptions import RequestTimeout
 
+from .errors import BODY_READ_ERRORS
 from .state import EXTENSION_KEY, AppState
 
 logger = logging.getLogger(__name__)
@@ -146,16 +147,37 @@ def write_json_error(sock, status: int, reason: str, message: str, code: str) ->
 
 def honour_connection_close(app):
     """gunicorn drops a `Connection` header set by the app (hop-by-hop); this makes it close the connection
-    instead, so that after a 408 or 413 an unread body is never parsed as the next request."""
+    instead, so that after a 408 or 413 an unread body is never parsed as the next request. After a 413 the
+    rest of the body is read first (within the body deadline, up to DISCARD_LIMIT_BYTES): closing a socket
+    with unread data sends a reset, which can destroy the 413 before the client reads it."""
 
     def wrapped(environ, start_response):
+        statuses = []
+
         def start(status, headers, exc_info=None):
+            statuses.append(status)
             if any(k.lower() == "connection" and v.lower() == "close" for k, v in headers):
                 response = getattr(start_response, "__self__", None)
                 if response is not None and hasattr(response, "force_close"):
                     response.force_close()
             return start_response(status, headers, exc_info)
 
-        return app(environ, start)
+        result = app(environ, start)
+        if statuses and statuses[-1].startswith("413"):
+            discard_unread_body(environ.get("wsgi.input"))
+        return result
 
     return wrapped
+
+
+DISCARD_LIMIT_BYTES = 8 << 20
+
+
+def discard_unread_body(body) -> None:
+    """Read what is left of a refused body (a client past the limit or the deadline is cut off)."""
+    left = DISCARD_LIMIT_BYTES
+    try:
+        while body is not None and left > 0 and (chunk := body.read(min(1 << 16, left))):
+            left -= len(chunk)
+    except (*BODY_READ_ERRORS, RequestTimeout):
+        logger.debug("stopped reading a refused body")

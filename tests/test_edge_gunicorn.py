@@ -193,6 +193,20 @@ def test_chunked_body_over_the_limit_is_a_413_and_the_connection_stays_sane(serv
             assert read_reply(conn)[0] == 200
 
 
+def test_a_body_past_the_limit_gets_its_413_not_a_reset(server):
+    """The server reads the rest of a refused body before it closes: closing on unread data would send a reset
+    that can destroy the reply before the client reads it."""
+    body = b'{"prompt": "Hi", "max_tokens": 1}' + b" " * (5 << 20)  # more than the socket buffers hold
+    head = (f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    for _ in range(10):
+        with connect(server) as conn:
+            conn.sendall(head + body)
+            status, headers, reply = read_reply(conn)
+            assert (status, reply["error"]["code"], headers["connection"]) == \
+                (413, "request_entity_too_large", "close")
+
+
 def test_oversize_frames_get_1009_and_binary_1003(server):
     for size in (300 << 10, 1 << 20):
         for _ in range(10):
