@@ -208,3 +208,21 @@ def test_the_backend_gives_the_same_tokens_with_the_models_own_forward(smol_mode
     fast = tokens(True)
     assert all(len(fast[r.request_id]) >= 20 for r in requests)  # the parent, not the backend, ends a request
     assert fast == tokens(False)
+
+
+def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(smol_model_dir):
+    """The 4-bit path looks its rotary tables up per step instead of computing them: the same numbers for any
+    positions in any order and number, past the table's first size too (it grows), as the model's module gives."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    module = LlamaRotaryEmbedding(config=AutoConfig.from_pretrained(smol_model_dir))
+    table = fast_forward.RotaryTable(module)
+    generator = torch.Generator().manual_seed(0)
+    for positions in (torch.tensor([0]), torch.tensor([5, 3, 900, 7]), torch.arange(60, 160),
+                      torch.randint(0, 5000, (33,), generator=generator), torch.tensor([8191, 0])):
+        cos, sin = table(positions)
+        expected_cos, expected_sin = module(torch.empty((1, len(positions), 1)), positions[None])
+        assert cos.is_contiguous() and cos.shape == (len(positions), expected_cos.shape[-1])
+        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+    assert len(table.cos) >= 8192

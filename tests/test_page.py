@@ -250,7 +250,10 @@ def test_reconnects_after_the_socket_drops(open_page):
     page.evaluate("""() => {
       window.__states = [];
       const badge = document.getElementById('conn-badge');
-      new MutationObserver(() => window.__states.push(badge.dataset.state))
+      // each change of state (the page may set the state it is in again, e.g. once the model card comes)
+      new MutationObserver(() => {
+        if (badge.dataset.state !== (window.__states.at(-1) ?? 'open')) window.__states.push(badge.dataset.state);
+      })
         .observe(badge, {attributes: true, attributeFilter: ['data-state']});
     }""")
     routes[0].close(code=1011, reason="test drop")

@@ -538,6 +538,9 @@ def test_limits_come_from_the_model_card(browser, smol_server):  # noqa: F811
         page.route("**/v1/models", small_card)
         page.goto(smol_server.url)
         expect(page.locator("#conn-badge")).to_have_attribute("data-state", "open")
+        # the card comes after the socket opens (once /ready says so): settings typed before it are checked again
+        # only when they change, so wait until the page has read the card's limits
+        expect(page.locator("#max_tokens")).to_have_attribute("max", "100")
         set_settings(page, max_tokens=150, stop="a\nb\nc")
         expect(page.locator("#max_tokens-error")).to_have_text("Must be a whole number from 1 to 100.")
         expect(page.locator("#stop-error")).to_have_text("At most 2 stop strings.")

@@ -124,6 +124,44 @@ def test_the_pool_keeps_its_bound_and_evicts_extensions_before_their_prefixes():
         assert cache.num_tokens <= 4 * BLOCK_TOKENS
 
 
+def test_fit_shrinks_the_pool_to_what_the_rows_leave_and_never_past_its_own_bound():
+    cache = PrefixCache(max_tokens=6 * BLOCK_TOKENS)
+    tokens = list(range(6 * BLOCK_TOKENS))
+    cache.insert(tokens, None, _layers(len(tokens), 0))
+    assert cache.fit(2 * BLOCK_TOKENS + 5) == 4 and cache.num_tokens == 2 * BLOCK_TOKENS
+    assert len(cache.lookup(tokens, None)) == 2  # the prefix stayed; the blocks that extend it went
+    cache.insert(tokens, None, _layers(len(tokens), 0))
+    assert cache.num_tokens == 2 * BLOCK_TOKENS  # the squeezed bound holds for new blocks too
+    assert cache.fit(-100) == 2 and cache.num_tokens == 0
+    cache.fit(100 * BLOCK_TOKENS)  # room again, but only up to the configured bound
+    cache.insert(list(range(9 * BLOCK_TOKENS)), None, _layers(9 * BLOCK_TOKENS, 0))
+    assert cache.num_tokens == 6 * BLOCK_TOKENS
+
+
+def test_running_rows_squeeze_the_cache_within_the_one_kv_budget(smol_model_dir):
+    """The cache gets what the rows' slots leave of max_batch_kv_tokens: beside a long row a cached prompt finds
+    at most that many positions, alone it finds them all."""
+    from engine import LLMEngine
+    from engine.config import EngineConfig
+
+    budget, long_prompt = 2048, [100 + (i * 7) % 4000 for i in range(900)]
+    engine = LLMEngine(EngineConfig(model=smol_model_dir, max_batch_kv_tokens=budget,
+                                    prefix_cache_tokens=budget)).start()
+    try:
+        prompt = SYSTEM * 2 + " Which budget is this?"  # about 190 tokens: 5 whole blocks
+        engine.submit(prompt, GREEDY).result(timeout=600)
+        alone = engine.submit(prompt, GREEDY).result(timeout=600).usage.cached_tokens
+        engine.submit(prompt, GREEDY).result(timeout=600)  # its blocks most recent again
+        row = engine.submit(prompt_token_ids=long_prompt, sampling=SamplingParams(max_tokens=120, ignore_eos=True))
+        next(row.events())  # the long row runs: its slots hold 2 x 960 positions (a pair of slots, pages of 64)
+        beside = engine.submit(prompt, GREEDY).result(timeout=600).usage.cached_tokens
+        assert row.result(timeout=600).usage.completion_tokens == 120  # it ran past the squeezed request
+    finally:
+        engine.shutdown()
+    assert alone >= 5 * BLOCK_TOKENS
+    assert beside <= budget - 2 * 960 < alone
+
+
 def test_a_block_is_keyed_by_everything_before_it():
     cache = PrefixCache(max_tokens=16 * BLOCK_TOKENS)
     first = list(range(2 * BLOCK_TOKENS))

@@ -133,6 +133,7 @@ class FastDecoder:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
+        self.rotary_table = RotaryTable(self.rotary)
         self.kernels, self.stack, self.share_matmuls_rows, self.layers = None, None, 0, []
         self.attention_on_kernels, self.rows_independent = False, True
         self.q4 = kernels
@@ -152,9 +153,13 @@ class FastDecoder:
     def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys, values,
                  first_logit_row: int) -> torch.Tensor:
         hidden = self.embed[token_ids]  # [N, hidden]
-        cos, sin = self.rotary(hidden, positions[None])  # [1, N, head_dim]
-        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos[0].contiguous(), sin[0].contiguous(),
-                               keys, values, first_logit_row)
+        cos, sin = self.rotary_table(positions)  # [N, head_dim] each
+        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos, sin, keys, values, first_logit_row)
+
+    @property
+    def reads_decode_mask(self) -> bool:
+        """Whether `decode` reads the attention mask (the C steps attend to positions 0..p of each row alone)."""
+        return self.q4 is None and self.stack is None
 
     @staticmethod
     def supports(model: nn.Module, any_dtype: bool = False) -> bool:
@@ -170,8 +175,7 @@ class FastDecoder:
         """One token per row: input_ids and position_ids [B, 1], attention_mask [B, 1, 1, capacity] from
         `cache.prepare_decode`. Returns the logits [B, V]."""
         if self.q4 is not None:
-            rows = input_ids.shape[0]
-            return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), torch.arange(rows), cache.keys,
+            return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), cache.step_slots, cache.keys,
                                  cache.values, 0)
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
@@ -252,6 +256,34 @@ class FastDecoder:
         else:
             attended = one_query_attention(query, keys, values, attention_mask, self.scaling)
         return attended.view(query.shape[0], self.num_heads * self.head_dim)
+
+
+class RotaryTable:
+    """The model's rotary cos and sin of every position up to the longest seen, computed once by the model's own
+    rotary module (each entry is inv_freq * position, then its cos or sin: the same numbers however many positions
+    one call takes), then looked up per step instead of ~10 torch calls each time."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+        self.cos = self.sin = torch.empty((0, 0))
+        # Other rope types (dynamic scaling) change the frequencies with the length: those ask the module each time.
+        self.static = getattr(rotary, "rope_type", "default") == "default"
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim] (float32, contiguous) of positions [N] (int64)."""
+        if not self.static:
+            cos, sin = self.rotary(torch.empty((1, len(positions), 1)), positions[None])
+            return cos[0].float().contiguous(), sin[0].float().contiguous()
+        if positions.numel() and int(positions.max()) >= len(self.cos):
+            self._grow(int(positions.max()) + 1)
+        return self.cos[positions], self.sin[positions]
+
+    def _grow(self, num_positions: int) -> None:
+        size = max(2 * len(self.cos), 1024, num_positions)
+        every = torch.arange(size)
+        probe = torch.empty((1, size, 1), dtype=torch.float32)  # the module reads its dtype and device only
+        cos, sin = self.rotary(probe, every[None])
+        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
 def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:

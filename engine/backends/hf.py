@@ -116,6 +116,7 @@ class HFBackend(Backend):
         self.joining: list[tuple[Prefill, list[Row]]] = []  # prompts done this step; their rows join after decode
         self.skipped_decode = False  # the last step returned first tokens without decoding the rows
         self.prefix_cache = self._prefix_cache(config)
+        self.kv_budget_tokens = config.max_batch_kv_tokens  # positions of keys and values: rows, prompts and cache
         self.info = ModelInfo(
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
@@ -213,6 +214,7 @@ class HFBackend(Backend):
         self._free(set(finished_ids), keep_prefixes=True)
         for request in new_requests:
             self._queue_prefill(request, output)
+        self._fit_prefix_cache()
         # Prompts first, and a step whose prompts produced first tokens returns them without decoding the streams
         # (unless the step before skipped already, so streams never wait two steps): a short prompt's first token
         # waits for its own prefill only, not for a decode of every stream too (TTFT beside 8 streams), and the
@@ -227,7 +229,17 @@ class HFBackend(Backend):
         for prefill, rows in self.joining:
             self._join_batch(prefill, rows)
         self.joining.clear()
+        self._fit_prefix_cache()
         return output
+
+    def _fit_prefix_cache(self) -> None:
+        """The cached prefixes get what the running rows' slots and the prompts being fed leave of the KV budget
+        (up to their own bound): a full batch squeezes the cache, never the other way round."""
+        if self.prefix_cache is None:
+            return
+        used = self.cache.num_slots * self.cache.capacity if self.cache is not None else 0
+        used += sum(len(prefill.request.prompt_token_ids) for prefill in self.prefills)
+        self.prefix_cache.fit(self.kv_budget_tokens - used)
 
     def close(self) -> None:
         self._free({row.request_id for row in self.rows} | {i for p in self.prefills for i in p.samplers})
@@ -257,7 +269,8 @@ class HFBackend(Backend):
         token_ids = [row.last_token_id for row in self.rows]
         token_ids += token_ids[:1] * (min_rows - len(token_ids))  # padding rows: outputs ignored
         input_ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # [B, 1]
-        position_ids, attention_mask = self.cache.prepare_decode(min_rows)  # [B, 1], [B, 1, 1, capacity]
+        with_mask = self.fast_decoder is None or self.fast_decoder.reads_decode_mask
+        position_ids, attention_mask = self.cache.prepare_decode(min_rows, with_mask)  # [B, 1], [B, 1, 1, capacity]
         if self.fast_decoder is not None:
             logits = self.fast_decoder.decode(input_ids, position_ids, attention_mask, self.cache)  # [B, V]
         else:

@@ -112,19 +112,27 @@ class SlotKVCache(Cache):
         self._reallocate(target_slots, target_capacity)
         return freed
 
-    def prepare_decode(self, min_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare_decode(self, min_rows: int = 1, with_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Before a decode step over every row, padded with empty rows to `min_rows` (whose outputs the
         caller ignores): room for one more token per row. Returns (position_ids [B, 1], the additive
-        attention mask [B, 1, 1, capacity] that hides every row's unused positions)."""
+        attention mask [B, 1, 1, capacity] that hides every row's unused positions, or None without
+        `with_mask`)."""
         step_lengths = self.lengths + [0] * (min_rows - self.num_rows)
         self._reserve(len(step_lengths), max(step_lengths) + 1)
         self._step_rows = len(step_lengths)
         self._step_index = torch.arange(self._step_rows, device=self.device)
         self._step_positions = torch.tensor(step_lengths, device=self.device)
+        if not with_mask:
+            return self._step_positions[:, None], None
         columns = torch.arange(self.capacity, device=self.device)
         hidden = columns[None, :] > self._step_positions[:, None]  # the token being fed sees itself
         mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
         return self._step_positions[:, None], mask[:, None, None, :]
+
+    @property
+    def step_slots(self) -> torch.Tensor:
+        """[step rows]: the slot of each row of the step `prepare_decode` prepared (row i: slot i)."""
+        return self._step_index
 
     def finish_decode(self) -> None:
         """After the step: each real row holds one more token. A padding row wrote position 0 of a free

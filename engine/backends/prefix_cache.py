@@ -7,7 +7,8 @@ parent's key and its own tokens, rooted in the request's `cache_salt` (requests 
 a block: a shared prefix is a timing side channel between users). BLAKE2b, not Python's hash: a key must not be
 forgeable, or one user could be handed another's keys and values. The pool holds at most `max_tokens` tokens;
 the least recently used block goes first, and a chain is touched from its last block to its first, so a prefix
-outlives the blocks that extend it (no block is kept whose parent is gone for long).
+outlives the blocks that extend it (no block is kept whose parent is gone for long). The pool shares the worker's
+KV budget with the running rows: `fit` shrinks it to what they leave (the rows never wait for the cache).
 
 Exact only where a prompt's keys and values do not depend on how it was chunked: the 4-bit path computes a
 chunk as decode steps, so a prompt resumed from cached blocks computes the bits it would have from scratch
@@ -39,7 +40,8 @@ LayerViews = Sequence[tuple[torch.Tensor, torch.Tensor]]
 class PrefixCache:
     def __init__(self, max_tokens: int, block_tokens: int = BLOCK_TOKENS):
         self.block_tokens = block_tokens
-        self.max_blocks = max(0, max_tokens // block_tokens)
+        self.limit_blocks = max(0, max_tokens // block_tokens)  # the configured bound
+        self.max_blocks = self.limit_blocks  # the bound now: what the running rows leave of the KV budget
         self._blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
         self.queried_tokens = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of them, found cached (prefix_cache_hits)
@@ -82,8 +84,20 @@ class PrefixCache:
                 self._blocks[key] = CachedBlock(torch.stack([k[:, span] for k, _ in layers]),
                                                 torch.stack([v[:, span] for _, v in layers]))
         self._touch(keys)
+        self._evict()
+
+    def fit(self, free_tokens: int) -> int:
+        """Bound the pool by `free_tokens` positions (never past its configured bound), evicting the least recently
+        used blocks; returns how many blocks went."""
+        self.max_blocks = min(self.limit_blocks, max(0, free_tokens) // self.block_tokens)
+        return self._evict()
+
+    def _evict(self) -> int:
+        evicted = 0
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
+            evicted += 1
+        return evicted
 
     def clear(self) -> None:
         self._blocks.clear()
