@@ -11,6 +11,23 @@ from engine import EngineConfig, LLMEngine
 from .torch_jobs import run_job
 
 
+# `make test` runs the suite on every core (pytest-xdist, `--dist loadfile --no-loadscope-reorder`): a module runs
+# in one worker (its module fixtures, live servers among them, start once), handed out in collection order. The
+# longest modules on the 2-core AVX2 host go out early and apart (two of them at once slow each other down: every
+# engine computes on every core), so that none is left to end the run alone; the rest keep their file order.
+LONGEST_MODULES = {"test_batch_invariance.py": 0, "test_vllm_parallel.py": 12, "test_soak.py": 24}
+
+
+def pytest_collection_modifyitems(items):
+    modules = list(dict.fromkeys(item.path.name for item in items))
+    for name, place in LONGEST_MODULES.items():
+        if name in modules:
+            modules.remove(name)
+            modules.insert(min(place, len(modules)), name)
+    order = {name: index for index, name in enumerate(modules)}
+    items.sort(key=lambda item: order[item.path.name])  # stable: a module's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def smol_model_dir() -> str:
     from engine.model_store import resolve_model

@@ -22,11 +22,11 @@ COMPUTE = {"bfloat16": {"dtype": "bfloat16"}, "4-bit": {"weights": "q4"}, "4-bit
 def test_concurrent_greedy_answers_equal_each_alone(make_engine, smol_model_dir, compute):
     engine = make_engine(smol_model_dir, max_batch_size=16, prefill_chunk_tokens=64, **COMPUTE[compute])
     long_prompt = "Summarise this: " + " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]};" for i in range(120))
-    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=28, ignore_eos=True)
     alone = {p: engine.generate([p], greedy)[0].output_token_ids for p in [*PROMPTS, long_prompt]}
     first = [engine.submit(p, greedy) for p in PROMPTS[:6]]
     next(iter(first[0]))  # the rest join a running batch, the long prompt prefills in chunks beside it
-    later = [engine.submit(p, SamplingParams(max_tokens=40 - 3 * i, ignore_eos=True))
+    later = [engine.submit(p, SamplingParams(max_tokens=28 - 3 * i, ignore_eos=True))  # leaving at different steps
              for i, p in enumerate(PROMPTS[6:])]
     long_request = engine.submit(long_prompt, greedy)
     together = {p: h.result(timeout=600).output_token_ids for p, h in zip(PROMPTS, first + later)}
