@@ -13,7 +13,7 @@ serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
 
 # The suite on every core up to 4 (pytest-xdist, a module per worker; tests/conftest.py orders the modules).
-TEST_JOBS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 PYTEST_PARALLEL := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 test: setup model chromium nginx vllm
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
