@@ -4,7 +4,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from engine import dataclass_from_env
+from engine.config import check_at_least_one, dataclass_from_env
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
@@ -35,10 +35,8 @@ class ServerSettings:
 
     def __post_init__(self):
         self.allowed_origins = tuple(origin.rstrip("/") for origin in self.allowed_origins)
-        for name in ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes", "responses_store_entries",
-                     "responses_store_bytes", "workers", "http_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_at_least_one(self, ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes",
+                                  "responses_store_entries", "responses_store_bytes", "workers", "http_threads"))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         for name in ("ws_ping_interval_s", "ws_idle_timeout_s", "ws_auth_timeout_s", "header_timeout_s",

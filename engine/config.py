@@ -91,12 +91,10 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
-        for name in ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client", "max_samples",
-                     "max_echo_logprob_entries", "default_max_tokens",
-                     "max_stop_strings", "prefill_chunk_tokens", "vllm_cpu_batched_tokens", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_at_least_one(self, ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client",
+                                  "max_samples", "max_echo_logprob_entries", "default_max_tokens", "max_stop_strings",
+                                  "prefill_chunk_tokens", "vllm_cpu_batched_tokens", "tensor_parallel_size",
+                                  "pipeline_parallel_size"))
         if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0 or self.prefix_cache_tokens < 0:
             raise ValueError("threads, max_model_len, kernel_helper_rows and prefix_cache_tokens must be >= 0")
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
@@ -148,6 +146,13 @@ def _parse(type_name, raw: str, name: str):
     except ValueError:
         raise ValueError(f"LOCKSTEP_{name.upper()} must be a number, got {raw!r}") from None
     return raw
+
+
+def check_at_least_one(settings, names: tuple[str, ...]) -> None:
+    """A count setting below 1 is refused by name (a queue, a batch or a cap of 0 would serve nobody)."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(settings, name)}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
