@@ -142,7 +142,7 @@ class FastDecoder:
                     for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.q4_stack = Q4Stack(weights, [layer.input_layernorm.weight for layer in layers],
                                 [layer.post_attention_layernorm.weight for layer in layers],
-                                epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config)
+                                epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config, kernels)
 
     def new_prompt_cache(self, num_tokens: int) -> PromptCache | DynamicCache:
         """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout, or transformers' cache."""
