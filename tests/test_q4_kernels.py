@@ -15,7 +15,8 @@ from engine.backends import bf16
 from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
-from engine.backends.q4 import Q4Weights, QuantizedWeight, error_bound, load_q4_kernels
+from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights,
+                               QuantizedWeight, error_bound, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
 from engine.model_store import gguf_of
 
@@ -64,10 +65,16 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     assert ("AVX2+FMA" if has_avx2 else "portable C") in info.compute
     assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     assert not backend.fast_decoder.q4.exact and "8-bit activations" in info.compute
+    # AVX2 reads the blocks regrouped by 8 rows (vertical dot products); the portable C reads them as they are
+    stack = backend.fast_decoder.q4_stack
+    assert (stack.layer_format, stack.lm_head_format) == ((FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if has_avx2
+                                                          else (FORMAT_Q4_1, FORMAT_Q8_0))
+    assert ("interleaved by 8 rows" in info.compute) == has_avx2
     backend.close()
     exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
     assert (exact.info.weights, exact.info.dtype) == ("q4_1", "float32")
     assert exact.fast_decoder.q4.exact and "float32 activations" in exact.info.compute
+    assert exact.fast_decoder.q4_stack.layer_format == FORMAT_Q4_1  # float32 activations read the plain blocks
     assert "weights=exact" in exact.info.compute_reason
     exact.close()
     configured = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact", dtype="bfloat16"),
@@ -98,15 +105,30 @@ def test_the_matmul_on_the_models_blocks_within_its_bound_and_row_by_row(kernels
     _, weights = gguf_model
     layer = weights.layers[0]
     generator = torch.Generator().manual_seed(rows)
-    for weight in (layer.qkv, layer.out, layer.gate_up, layer.down, weights.lm_head):
-        x = torch.randn(rows, weight.in_features, generator=generator) * 3
-        together = kernels.linear(x, weight)
-        reference, bound = error_bound(x, weight.dequantized(), kernels.exact)
-        assert bool(((together.double() - reference).abs() <= bound).all())
-        for row in range(rows):  # each row alone, and on one thread, the same bits
-            assert torch.equal(kernels.linear(x[row:row + 1], weight), together[row:row + 1])
-        alone = load_q4_kernels(default_cache_dir(), helpers=0, exact=kernels.exact)
-        assert torch.equal(alone.linear(x, weight), together)
+    alone = load_q4_kernels(default_cache_dir(), helpers=0, exact=kernels.exact)
+    for plain in (layer.qkv, layer.out, layer.gate_up, layer.down, weights.lm_head):
+        x = torch.randn(rows, plain.in_features, generator=generator) * 3
+        reference, bound = error_bound(x, plain.dequantized(), kernels.exact)
+        interleaved = kernels.interleaved(plain)
+        for weight in [plain] + ([interleaved] if interleaved is not plain else []):  # as stored, as the forward reads
+            together = kernels.linear(x, weight)
+            assert bool(((together.double() - reference).abs() <= bound).all())
+            for row in range(rows):  # each row alone, and on one thread, the same bits
+                assert torch.equal(kernels.linear(x[row:row + 1], weight), together[row:row + 1])
+            assert torch.equal(alone.linear(x, weight), together)
+
+
+def test_interleaving_regroups_the_same_bytes(kernels, gguf_model):
+    _, weights = gguf_model
+    for plain in (weights.layers[0].qkv, weights.lm_head):
+        interleaved = kernels.interleaved(plain)
+        if not kernels.interleaves:
+            assert interleaved is plain
+            continue
+        assert interleaved.format != plain.format and interleaved.blocks.shape == plain.blocks.shape
+        assert torch.equal(interleaved.blocks.flatten().sort().values, plain.blocks.flatten().sort().values)
+        with pytest.raises(ValueError, match="plain"):
+            interleaved.dequantized()
 
 
 @torch.inference_mode()

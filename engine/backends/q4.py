@@ -64,7 +64,7 @@ class Q4Kernels:
     def name(self) -> str:
         return f"lockstep's 4-bit kernels ({'AVX2+FMA' if self.uses_avx2 else 'portable C'}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
-               f"{', interleaved Q4_1' if self.interleaves else ''})"
+               f"{', blocks interleaved by 8 rows' if self.interleaves else ''})"
 
     @property
     def interleaves(self) -> bool:
