@@ -55,7 +55,8 @@ def test_gunicorn_serves_streams_and_drains_on_sigterm(gunicorn):
     assert len(family) >= 3  # master, gunicorn worker, model worker
 
     client = WsClient(ws_url)
-    client.generate("chat", messages=[{"role": "user", "content": "What is the capital of France?"}],
+    client.generate("chat", messages=[{"role": "system", "content": "You are a helpful assistant."},  # as test_client
+                                      {"role": "user", "content": "What is the capital of France?"}],
                     max_tokens=30)
     answer = client.collect(["chat"])["chat"]
     assert "Paris" in answer["text"] and answer["final"]["finish_reason"] == "stop"
