@@ -152,12 +152,7 @@ class Q4Kernels:
         for fmt in (FORMAT_Q4_1, FORMAT_Q8_0):
             weight = QuantizedWeight(_random_blocks(generator, fmt, 37, 96), fmt, 37, 96)
             x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, 96), dtype=np.float32))
-            together = self.linear(x, weight)
-            reference, bound = error_bound(x, weight.dequantized(), self.exact)
-            if not bool(((together.double() - reference).abs() <= bound).all()):
-                return False
-            if not all(torch.equal(self.linear(x[row:row + 1], weight), together[row:row + 1])
-                       for row in range(PROBE_ROWS)):
+            if not self._matmul_holds(weight, weight, x):
                 return False
             rows = torch.tensor([3, 0, 36])
             if not torch.equal(self.dequantize_rows(weight, rows), weight.dequantized()[rows]):
@@ -167,15 +162,18 @@ class Q4Kernels:
     def _interleaved_computes_correctly(self, generator: np.random.Generator) -> bool:
         for fmt in INTERLEAVED:
             weight = QuantizedWeight(_random_blocks(generator, fmt, 40, 96), fmt, 40, 96)
-            interleaved = self.interleaved(weight)
             x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, 96), dtype=np.float32))
-            together = self.linear(x, interleaved)
-            reference, bound = error_bound(x, weight.dequantized(), self.exact)
-            if not bool(((together.double() - reference).abs() <= bound).all()) or not all(
-                    torch.equal(self.linear(x[row:row + 1], interleaved), together[row:row + 1])
-                    for row in range(PROBE_ROWS)):
+            if not self._matmul_holds(self.interleaved(weight), weight, x):
                 return False
         return True
+
+    def _matmul_holds(self, read: "QuantizedWeight", plain: "QuantizedWeight", x: torch.Tensor) -> bool:
+        """x @ W.T from `read` (the plain blocks or their interleaved copy) within `error_bound` of the float64
+        product of `plain` dequantized, and each row the same alone as among the others."""
+        together = self.linear(x, read)
+        reference, bound = error_bound(x, plain.dequantized(), self.exact)
+        return bool(((together.double() - reference).abs() <= bound).all()) and all(
+            torch.equal(self.linear(x[row:row + 1], read), together[row:row + 1]) for row in range(x.shape[0]))
 
 
 def error_bound(x: torch.Tensor, dense: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

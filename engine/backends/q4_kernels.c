@@ -1019,11 +1019,10 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     const int64_t width = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], intermediate = dims[4],
                   capacity = dims[5], vocabulary = dims[6];
     const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
-    const int64_t qkv_columns = (dims[1] + 2 * dims[2]) * dims[3];
-    if (!x8_runs(layer_format, qkv_columns, exact) || !x8_runs(layer_format, dims[0], exact) ||
-        !x8_runs(layer_format, 2 * dims[4], exact) || !x8_runs(lm_head_format, dims[6], exact))
-        return -2;
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    if (!x8_runs(layer_format, qkv_width, exact) || !x8_runs(layer_format, width, exact) ||
+        !x8_runs(layer_format, 2 * intermediate, exact) || !x8_runs(lm_head_format, vocabulary, exact))
+        return -2;
     const int64_t attended_width = heads * head_dim;
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
     const int64_t widest = width > intermediate ? width : intermediate;
