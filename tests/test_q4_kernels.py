@@ -74,7 +74,9 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
     assert (exact.info.weights, exact.info.dtype) == ("q4_1", "float32")
     assert exact.fast_decoder.q4.exact and "float32 activations" in exact.info.compute
-    assert exact.fast_decoder.q4_stack.layer_format == FORMAT_Q4_1  # float32 activations read the plain blocks
+    # float32 activations read the same regrouped blocks on AVX2 (a float GEMM's broadcast FMAs), plain ones elsewhere
+    assert (exact.fast_decoder.q4_stack.layer_format, exact.fast_decoder.q4_stack.lm_head_format) == (
+        (FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if has_avx2 else (FORMAT_Q4_1, FORMAT_Q8_0))
     assert "weights=exact" in exact.info.compute_reason
     exact.close()
     configured = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact", dtype="bfloat16"),

@@ -68,9 +68,9 @@ class Q4Kernels:
 
     @property
     def interleaves(self) -> bool:
-        """Whether the weights are read regrouped by 8 rows (a one-row step 1.5x as fast on AVX2; the AVX2
-        kernel of 8-bit activations is the only one that reads them)."""
-        return self.uses_avx2 and not self.exact
+        """Whether the weights are read regrouped by 8 rows: the AVX2 kernels read them so, on 8-bit activations
+        (a one-row step 1.5x as fast) and on float32 ones; the portable C reads the plain blocks."""
+        return self.uses_avx2
 
     def interleaved(self, weight: "QuantizedWeight") -> "QuantizedWeight":
         """A weight regrouped as the interleaved kernel reads it (the same bytes in another order), or the weight
@@ -91,7 +91,7 @@ class Q4Kernels:
         failed = self._linear(rows.data_ptr(), weight.blocks.data_ptr(), weight.format, out.data_ptr(), rows.shape[0],
                               weight.out_features, weight.in_features, self.helpers, self.exact)
         if failed == -2:
-            raise ValueError("linear: an interleaved weight needs the AVX2 kernels' 8-bit path and rows % 8 == 0")
+            raise ValueError("linear: an interleaved weight needs the AVX2 kernels and rows % 8 == 0")
         if failed:
             raise MemoryError("linear: no memory for its scratch buffer")
         return out.view(*x.shape[:-1], weight.out_features)

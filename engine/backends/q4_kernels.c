@@ -6,11 +6,12 @@
  *
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
  * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
- * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks. On AVX2, with
- * 8-bit activations, the weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by
- * lockstep_q4_interleave): the same bytes regrouped so that one vector holds 4 weights of 8 columns, and a block's
- * integer dot products for 8 columns are vertical maddubs against broadcast activations instead of 8 horizontal
- * sums (a one-row decode step's call 12.7 -> 8.5 ms on a 2-core AVX2 host).
+ * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks. On AVX2 the
+ * weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by lockstep_q4_interleave):
+ * the same bytes regrouped so that one vector holds 4 weights of 8 columns. On 8-bit activations a block's integer
+ * dot products for 8 columns are then vertical maddubs against broadcast activations instead of 8 horizontal sums
+ * (a one-row decode step's call 12.7 -> 8.5 ms on a 2-core AVX2 host); on float32 ones (exact) 8 columns' weights
+ * are one vector of floats for a float GEMM's broadcast FMAs (a 25-row step's call 191 -> 122 ms there).
  *
  * Every row of x is computed the same way whatever else the call holds: each output is one chain of FMAs over K in
  * the same order, then one fixed reduction, whatever M is, whichever tile or thread computes it. So a row's result
@@ -99,6 +100,7 @@ static inline int64_t block_bytes(int format) {
  * fp16 minimums m, then 4 vectors of 32 bytes, vector i holding bytes 4i..4i+3 of each row's 16 nibble bytes
  * (weights 4i..4i+3 in the low nibbles, 16+4i..16+4i+3 in the high ones), row j in bytes 4j..4j+3. Q8_0_X8 alike:
  * 272 bytes, the 8 fp16 scales, then 8 vectors, vector i holding weights 4i..4i+3 of each row. */
+#define UNROLLED _Pragma("GCC unroll 32") /* constant indices: the accumulators stay in registers */
 #define X8_GROUP_BYTES (8 * Q4_1_BYTES)
 #define Q8_X8_GROUP_BYTES (8 * Q8_0_BYTES)
 
@@ -364,6 +366,179 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
     for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out + r * n, acc[r]);
 }
 
+#define EXACT_PANEL_ROWS 3 /* from this many rows on, a call dequantizes its columns once into a panel */
+#define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
+
+/* GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel` [K][GROUPS][8] floats, as
+ * gguf-py dequantizes (d * q + m in one FMA: d * q is exact in float32, so it rounds as gguf-py's multiply, then
+ * add). */
+static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *group, int64_t group_bytes,
+                                                                   int64_t k, float *panel, const int FORMAT,
+                                                                   const int GROUPS) {
+    const int q4 = FORMAT == FORMAT_Q4_1_X8, header = q4 ? 32 : 16, per_vector = q4 ? 8 : 4;
+    const int64_t bytes = q4 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    for (int64_t b = 0; b < k / BLOCK; b++)
+        for (int g = 0; g < GROUPS; g++) {
+            const uint8_t *p = group + g * group_bytes + b * bytes;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+            __m256 m = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
+            UNROLLED
+            for (int v = 0; v < BLOCK; v++) { /* Q4_1: vector v / 8, byte (v % 8) / 2's low, then high nibble */
+                const int i = v / per_vector, s = v % per_vector;
+                const int position = q4 ? 4 * i + s / 2 + 16 * (s % 2) : 4 * i + s;
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(p + header + 32 * i));
+                __m256i q = q4 ? _mm256_and_si256(_mm256_srli_epi32(packed, 8 * (s / 2) + 4 * (s % 2)), nibble)
+                               : _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * s), 24);
+                __m256 w = q4 ? _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m) : _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+                _mm256_store_ps(panel + ((b * BLOCK + position) * GROUPS + g) * 8, w);
+            }
+        }
+}
+
+/* ROWS rows x GROUPS groups of 8 columns from a dequantized panel: per position, each group's 8 weights, then per
+ * row one broadcast activation and one FMA per group into that output's accumulator. Each output is one chain of
+ * FMAs over K in order whatever ROWS and GROUPS: the float32 dequantized matmul, summed in order. */
+static inline __attribute__((always_inline)) void exact_panel_tile(const struct quantized_x *x, int64_t row,
+                                                                   const float *panel, float *out, int64_t n,
+                                                                   const int ROWS, const int GROUPS) {
+    __m256 acc[4][EXACT_ROW_TILE]; /* fixed sizes: constant indices keep them in registers */
+    UNROLLED
+    for (int g = 0; g < GROUPS; g++)
+        UNROLLED
+        for (int r = 0; r < ROWS; r++) acc[g][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x->k / BLOCK; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * GROUPS * 8;
+        UNROLLED
+        for (int position = 0; position < BLOCK; position++) {
+            __m256 w[4];
+            UNROLLED
+            for (int g = 0; g < GROUPS; g++) w[g] = _mm256_load_ps(ws + (position * GROUPS + g) * 8);
+            UNROLLED
+            for (int r = 0; r < ROWS; r++) {
+                __m256 activation = _mm256_broadcast_ss(xs + r * x->k + position);
+                UNROLLED
+                for (int g = 0; g < GROUPS; g++) acc[g][r] = _mm256_fmadd_ps(w[g], activation, acc[g][r]);
+            }
+        }
+    }
+    UNROLLED
+    for (int g = 0; g < GROUPS; g++)
+        UNROLLED
+        for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out + r * n + 8 * g, acc[g][r]);
+}
+
+/* A lone row x GROUPS groups of 8 columns straight from the blocks (a panel would cost more than it saves): the
+ * same weights (one FMA each, as dequantize_panel) and the same chain of FMAs per output as exact_panel_tile. */
+static inline __attribute__((always_inline)) void exact_row_tile(const struct quantized_x *x, int64_t row,
+                                                                 const uint8_t *group, int64_t group_bytes,
+                                                                 float *out, const int FORMAT, const int GROUPS) {
+    const int q4 = FORMAT == FORMAT_Q4_1_X8, header = q4 ? 32 : 16;
+    const int64_t bytes = q4 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    __m256 acc[4];
+    UNROLLED
+    for (int g = 0; g < GROUPS; g++) acc[g] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x->k / BLOCK; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK;
+        __m256 d[4], m[4];
+        UNROLLED
+        for (int g = 0; g < GROUPS; g++) {
+            const uint8_t *p = group + g * group_bytes + b * bytes;
+            d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+            m[g] = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
+        }
+        UNROLLED
+        for (int position = 0; position < BLOCK; position++) {
+            __m256 activation = _mm256_broadcast_ss(xs + position);
+            /* Q4_1: position p in vector (p % 16) / 4, byte p % 4, the high nibble for p >= 16; Q8_0: vector p / 4 */
+            const int i = q4 ? position % 16 / 4 : position / 4, shift = q4 ? 8 * (position % 4) + 4 * (position / 16) : 0;
+            UNROLLED
+            for (int g = 0; g < GROUPS; g++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(group + g * group_bytes + b * bytes + header + 32 * i));
+                __m256i q = q4 ? _mm256_and_si256(_mm256_srli_epi32(packed, shift), nibble)
+                               : _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * (position % 4)), 24);
+                __m256 w = q4 ? _mm256_fmadd_ps(d[g], _mm256_cvtepi32_ps(q), m[g]) : _mm256_mul_ps(d[g], _mm256_cvtepi32_ps(q));
+                acc[g] = _mm256_fmadd_ps(w, activation, acc[g]);
+            }
+        }
+    }
+    UNROLLED
+    for (int g = 0; g < GROUPS; g++) _mm256_storeu_ps(out + 8 * g, acc[g]);
+}
+
+typedef void (*row_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *);
+#define ROW_TILE_FN(F, G)                                                                                           \
+    static void row_tile_##F##_##G(const struct quantized_x *x, int64_t row, const uint8_t *group,                 \
+                                   int64_t group_bytes, float *out) {                                               \
+        exact_row_tile(x, row, group, group_bytes, out, F, G);                                                      \
+    }
+ROW_TILE_FN(FORMAT_Q4_1_X8, 1) ROW_TILE_FN(FORMAT_Q4_1_X8, 2) ROW_TILE_FN(FORMAT_Q4_1_X8, 4)
+ROW_TILE_FN(FORMAT_Q8_0_X8, 1) ROW_TILE_FN(FORMAT_Q8_0_X8, 2) ROW_TILE_FN(FORMAT_Q8_0_X8, 4)
+static const row_fn ROW_TILES[2][5] = {
+    {0, row_tile_FORMAT_Q4_1_X8_1, row_tile_FORMAT_Q4_1_X8_2, 0, row_tile_FORMAT_Q4_1_X8_4},
+    {0, row_tile_FORMAT_Q8_0_X8_1, row_tile_FORMAT_Q8_0_X8_2, 0, row_tile_FORMAT_Q8_0_X8_4}};
+
+typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, float *, int64_t);
+#define PANEL_TILE(R, G)                                                                                            \
+    static void panel_tile_##R##_##G(const struct quantized_x *x, int64_t row, const float *panel, float *out,     \
+                                     int64_t n) {                                                                   \
+        exact_panel_tile(x, row, panel, out, n, R, G);                                                              \
+    }
+PANEL_TILE(1, 1) PANEL_TILE(2, 1) PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+PANEL_TILE(1, 2) PANEL_TILE(2, 2) PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
+PANEL_TILE(1, 4) PANEL_TILE(2, 4)
+/* By groups (1, 2, 4) and rows: two groups (16 columns) for every row count, four for one or two rows (more
+ * chains of FMAs where there are few rows). */
+static const panel_fn PANEL_TILES[5][EXACT_ROW_TILE + 1] = {
+    {0},
+    {0, panel_tile_1_1, panel_tile_2_1, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1},
+    {0, panel_tile_1_2, panel_tile_2_2, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2},
+    {0},
+    {0, panel_tile_1_4, panel_tile_2_4}};
+
+static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
+                              int groups) {
+    if (format == FORMAT_Q4_1_X8) {
+        if (groups == 4) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 4);
+        else if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
+        else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
+    } else {
+        if (groups == 4) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 4);
+        else if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
+        else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
+    }
+}
+
+/* Columns [first, last) on float32 activations: a panel of columns dequantized once (into L1 or L2), then every
+ * row, EXACT_ROW_TILE at a time. */
+static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
+                             float *out, int64_t n, int64_t first, int64_t last) {
+    if (x->m < EXACT_PANEL_ROWS) {
+        for (int64_t r = 0; r < x->m; r++)
+            for (int64_t c = first; c < last;) {
+                int groups = 4;
+                while (8 * groups > last - c) groups /= 2;
+                ROW_TILES[format == FORMAT_Q8_0_X8][groups](x, r, weight + c / 8 * group_bytes, group_bytes,
+                                                             out + r * n + c);
+                c += 8 * groups;
+            }
+        return;
+    }
+    float *panel = __builtin_alloca_with_align(x->k * 4 * 8 * sizeof(float), 256);
+    for (int64_t c = first; c < last;) {
+        int groups = x->m <= 2 ? 4 : 2;
+        while (8 * groups > last - c) groups /= 2;
+        dequantize_groups(weight + c / 8 * group_bytes, group_bytes, x->k, panel, format, groups);
+        for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
+            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE - 1) / EXACT_ROW_TILE;
+            rows = (x->m - r + tiles_left - 1) / tiles_left;
+            PANEL_TILES[groups][rows](x, r, panel, out + r * n + c, n);
+        }
+        c += 8 * groups;
+    }
+}
+
 #define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
     do {                                                                                                            \
         if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
@@ -377,6 +552,10 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
     const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
+    if (x->exact) {
+        x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
+        return;
+    }
     for (int64_t r = 0; r < x->m; r += 4) {
         int64_t rows = x->m - r < 4 ? x->m - r : 4;
         for (int64_t c = first; c < last; c += 8) {
@@ -460,7 +639,7 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
 static void linear_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                            int64_t first, int64_t last) {
 #if LOCKSTEP_AVX2
-    if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* 8-bit activations only (see x8_runs) */
+    if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* AVX2 only (see x8_runs) */
         x8_columns(x, weight, format, out, n, first, last);
         return;
     }
@@ -654,16 +833,16 @@ static void matmul(int shared, const float *x, void *scratch, const uint8_t *wei
     run_units(shared, linear_unit, &job, (n + columns - 1) / columns);
 }
 
-static int x8_runs(int format, int64_t n, int exact) {
-    return (format != FORMAT_Q4_1_X8 && format != FORMAT_Q8_0_X8) || (LOCKSTEP_AVX2 && !exact && n % 8 == 0);
+static int x8_runs(int format, int64_t n) {
+    return (format != FORMAT_Q4_1_X8 && format != FORMAT_Q8_0_X8) || (LOCKSTEP_AVX2 && n % 8 == 0);
 }
 
 /* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0; `exact`:
  * x as it is (1) or rounded to 8 bits per 32 (0). Returns 0, -1 if scratch memory could not be had, or -2 for
- * an interleaved format where it cannot run (exact, no AVX2, N % 8). */
+ * an interleaved format where it cannot run (no AVX2, N % 8). */
 int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float *out, int64_t m, int64_t n,
                        int64_t k, int helpers, int exact) {
-    if (!x8_runs(format, n, exact)) return -2;
+    if (!x8_runs(format, n)) return -2;
     void *scratch = malloc(quantized_x_bytes(m, k));
     if (!scratch) return -1;
     int shared = begin_shared(helpers);
@@ -1020,8 +1199,8 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                   capacity = dims[5], vocabulary = dims[6];
     const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
-    if (!x8_runs(layer_format, qkv_width, exact) || !x8_runs(layer_format, width, exact) ||
-        !x8_runs(layer_format, 2 * intermediate, exact) || !x8_runs(lm_head_format, vocabulary, exact))
+    if (!x8_runs(layer_format, qkv_width) || !x8_runs(layer_format, width) ||
+        !x8_runs(layer_format, 2 * intermediate) || !x8_runs(lm_head_format, vocabulary))
         return -2;
     const int64_t attended_width = heads * head_dim;
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
