@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.messages import NewRequest, WorkerSampling
 
 TOPICS = ["the ocean", "a small robot", "tax law", "bread", "the moon landing", "chess openings", "volcanoes",
-          "a lighthouse keeper", "prime numbers", "jazz", "winter in Oslo", "honey bees"]
+          "a lighthouse keeper", "prime numbers", "jazz"]
 PROMPTS = [f"Write a short paragraph about {topic}." for topic in TOPICS]
 
 
@@ -21,13 +21,13 @@ COMPUTE = {"bfloat16": {"dtype": "bfloat16"}, "4-bit": {"weights": "q4"}, "4-bit
 @pytest.mark.parametrize("compute", COMPUTE)
 def test_concurrent_greedy_answers_equal_each_alone(make_engine, smol_model_dir, compute):
     engine = make_engine(smol_model_dir, max_batch_size=16, prefill_chunk_tokens=64, **COMPUTE[compute])
-    long_prompt = "Summarise this: " + " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]};" for i in range(120))
-    greedy = SamplingParams(max_tokens=28, ignore_eos=True)
+    long_prompt = "Summarise this: " + " ".join(f"item {i} is {TOPICS[i % len(TOPICS)]};" for i in range(60))
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
     alone = {p: engine.generate([p], greedy)[0].output_token_ids for p in [*PROMPTS, long_prompt]}
-    first = [engine.submit(p, greedy) for p in PROMPTS[:6]]
+    first = [engine.submit(p, greedy) for p in PROMPTS[:5]]
     next(iter(first[0]))  # the rest join a running batch, the long prompt prefills in chunks beside it
-    later = [engine.submit(p, SamplingParams(max_tokens=28 - 3 * i, ignore_eos=True))  # leaving at different steps
-             for i, p in enumerate(PROMPTS[6:])]
+    later = [engine.submit(p, SamplingParams(max_tokens=20 - 3 * i, ignore_eos=True))  # leaving at different steps
+             for i, p in enumerate(PROMPTS[5:])]
     long_request = engine.submit(long_prompt, greedy)
     together = {p: h.result(timeout=600).output_token_ids for p, h in zip(PROMPTS, first + later)}
     together[long_prompt] = long_request.result(timeout=600).output_token_ids
