@@ -402,16 +402,16 @@ static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t
 static inline __attribute__((always_inline)) void exact_panel_tile(const struct quantized_x *x, int64_t row,
                                                                    const float *panel, float *out, int64_t n,
                                                                    const int ROWS, const int GROUPS) {
-    __m256 acc[4][EXACT_ROW_TILE]; /* fixed sizes: constant indices keep them in registers */
+    __m256 acc[2][EXACT_ROW_TILE]; /* fixed sizes: constant indices keep them in registers */
     UNROLLED
     for (int g = 0; g < GROUPS; g++)
         UNROLLED
         for (int r = 0; r < ROWS; r++) acc[g][r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x->k / BLOCK; b++) {
         const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * GROUPS * 8;
-        UNROLLED
+        _Pragma("GCC unroll 4") /* positions index only memory: fully unrolled, the code is slower to build */
         for (int position = 0; position < BLOCK; position++) {
-            __m256 w[4];
+            __m256 w[2];
             UNROLLED
             for (int g = 0; g < GROUPS; g++) w[g] = _mm256_load_ps(ws + (position * GROUPS + g) * 8);
             UNROLLED
@@ -448,7 +448,7 @@ static inline __attribute__((always_inline)) void exact_row_tile(const struct qu
             d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
             m[g] = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
         }
-        UNROLLED
+        _Pragma("GCC unroll 4")
         for (int position = 0; position < BLOCK; position++) {
             __m256 activation = _mm256_broadcast_ss(xs + position);
             /* Q4_1: position p in vector (p % 16) / 4, byte p % 4, the high nibble for p >= 16; Q8_0: vector p / 4 */
@@ -485,36 +485,45 @@ typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, flo
                                      int64_t n) {                                                                   \
         exact_panel_tile(x, row, panel, out, n, R, G);                                                              \
     }
-PANEL_TILE(1, 1) PANEL_TILE(2, 1) PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
-PANEL_TILE(1, 2) PANEL_TILE(2, 2) PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
-PANEL_TILE(1, 4) PANEL_TILE(2, 4)
-/* By groups (1, 2, 4) and rows: two groups (16 columns) for every row count, four for one or two rows (more
- * chains of FMAs where there are few rows). */
-static const panel_fn PANEL_TILES[5][EXACT_ROW_TILE + 1] = {
+PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
+/* By groups of 8 columns (two, or one at a unit's end) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE). */
+static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
     {0},
-    {0, panel_tile_1_1, panel_tile_2_1, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1},
-    {0, panel_tile_1_2, panel_tile_2_2, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2},
-    {0},
-    {0, panel_tile_1_4, panel_tile_2_4}};
+    {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1},
+    {0, 0, 0, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2}};
 
 static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
                               int groups) {
     if (format == FORMAT_Q4_1_X8) {
-        if (groups == 4) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 4);
-        else if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
+        if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
         else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
     } else {
-        if (groups == 4) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 4);
-        else if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
+        if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
         else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
     }
 }
 
-/* Columns [first, last) on float32 activations: a panel of columns dequantized once (into L1 or L2), then every
- * row, EXACT_ROW_TILE at a time. */
+/* This thread's panel memory, grown as needed and kept (the helper threads live as long as the process); NULL
+ * where it cannot be had. */
+static float *thread_panel(int64_t bytes) {
+    static __thread float *memory;
+    static __thread int64_t held;
+    if (bytes > held) {
+        free(memory);
+        memory = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        held = memory ? bytes : 0;
+    }
+    return memory;
+}
+
+/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on, 16 columns at a time dequantized
+ * once into a panel (L1 or L2), then every row over it in tiles; fewer rows (or no memory for a panel) straight
+ * from the blocks, with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
-    if (x->m < EXACT_PANEL_ROWS) {
+    float *panel = x->m < EXACT_PANEL_ROWS ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
+    if (!panel) {
         for (int64_t r = 0; r < x->m; r++)
             for (int64_t c = first; c < last;) {
                 int groups = 4;
@@ -525,10 +534,8 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
             }
         return;
     }
-    float *panel = __builtin_alloca_with_align(x->k * 4 * 8 * sizeof(float), 256);
     for (int64_t c = first; c < last;) {
-        int groups = x->m <= 2 ? 4 : 2;
-        while (8 * groups > last - c) groups /= 2;
+        const int groups = last - c >= 16 ? 2 : 1;
         dequantize_groups(weight + c / 8 * group_bytes, group_bytes, x->k, panel, format, groups);
         for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
             const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE - 1) / EXACT_ROW_TILE;
