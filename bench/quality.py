@@ -42,15 +42,20 @@ def main(argv=None) -> None:
     weights = Q4Weights.from_gguf(gguf_of(model_dir, EngineConfig()), reference.config)
     weights.give_model_the_same_weights(reference)
     use_slot_attention(reference)
-    decoder = FastDecoder(reference, q4=(load_q4_kernels(EngineConfig().cache_dir, helpers=1), weights))
-    exact = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    decoders = {exact: FastDecoder(reference, q4=(load_q4_kernels(EngineConfig().cache_dir, helpers=1, exact=exact),
+                                                  weights))
+                for exact in (False, True)}
+    prepared = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def with_q4(ids: list[int]) -> torch.Tensor:
-        return decoder.prefill(torch.tensor(ids), 0, decoder.new_prompt_cache(len(ids)), all_positions=True)
+    def on_kernels(exact: bool):
+        decoder = decoders[exact]
+        return lambda ids: decoder.prefill(torch.tensor(ids), 0, decoder.new_prompt_cache(len(ids)),
+                                           all_positions=True)
 
     ways = {"float32 dequantized GGUF (reference)": lambda ids: forward(reference, ids),
-            "4-bit blocks on lockstep's kernels (weights=q4)": with_q4,
-            "prepared bfloat16 weights in float32 (weights=exact)": lambda ids: forward(exact, ids)}
+            "4-bit blocks on lockstep's kernels (weights=q4)": on_kernels(False),
+            "the blocks on float32 activations (weights=exact)": on_kernels(True),
+            "prepared bfloat16 weights in float32": lambda ids: forward(prepared, ids)}
     if detect_host().has_native_bf16:  # elsewhere bfloat16 is emulated: slow, and never a default
         bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
         ways["prepared bfloat16 weights in bfloat16"] = lambda ids: forward(bf16, ids)
