@@ -369,30 +369,36 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
 #define EXACT_PANEL_ROWS 3 /* from this many rows on, a call dequantizes its columns once into a panel */
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
-/* GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel` [K][GROUPS][8] floats, as
- * gguf-py dequantizes (d * q + m in one FMA: d * q is exact in float32, so it rounds as gguf-py's multiply, then
- * add). */
+/* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
+ * (d * q + m in one FMA: d * q is exact in float32, so it rounds as gguf-py's multiply, then add). Q4_1: vector
+ * (p % 16) / 4, byte p % 4 of each column, its high nibble for p >= 16; Q8_0: vector p / 4, byte p % 4. */
+static inline __attribute__((always_inline)) __m256 x8_weights(const uint8_t *block, int position, __m256 d, __m256 m,
+                                                               const int FORMAT) {
+    if (FORMAT == FORMAT_Q4_1_X8) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * (position % 16 / 4)));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi32(packed, 8 * (position % 4) + 4 * (position / 16)),
+                                     _mm256_set1_epi32(0x0F));
+        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    }
+    __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (position / 4)));
+    __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * (position % 4)), 24);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+}
+
+/* GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel` [K][GROUPS][8] floats. */
 static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *group, int64_t group_bytes,
                                                                    int64_t k, float *panel, const int FORMAT,
                                                                    const int GROUPS) {
-    const int q4 = FORMAT == FORMAT_Q4_1_X8, header = q4 ? 32 : 16, per_vector = q4 ? 8 : 4;
-    const int64_t bytes = q4 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
     for (int64_t b = 0; b < k / BLOCK; b++)
         for (int g = 0; g < GROUPS; g++) {
             const uint8_t *p = group + g * group_bytes + b * bytes;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            __m256 m = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
+            __m256 m = FORMAT == FORMAT_Q4_1_X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                                : _mm256_setzero_ps();
             UNROLLED
-            for (int v = 0; v < BLOCK; v++) { /* Q4_1: vector v / 8, byte (v % 8) / 2's low, then high nibble */
-                const int i = v / per_vector, s = v % per_vector;
-                const int position = q4 ? 4 * i + s / 2 + 16 * (s % 2) : 4 * i + s;
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(p + header + 32 * i));
-                __m256i q = q4 ? _mm256_and_si256(_mm256_srli_epi32(packed, 8 * (s / 2) + 4 * (s % 2)), nibble)
-                               : _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * s), 24);
-                __m256 w = q4 ? _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m) : _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-                _mm256_store_ps(panel + ((b * BLOCK + position) * GROUPS + g) * 8, w);
-            }
+            for (int position = 0; position < BLOCK; position++)
+                _mm256_store_ps(panel + ((b * BLOCK + position) * GROUPS + g) * 8, x8_weights(p, position, d, m, FORMAT));
         }
 }
 
@@ -429,13 +435,11 @@ static inline __attribute__((always_inline)) void exact_panel_tile(const struct 
 }
 
 /* A lone row x GROUPS groups of 8 columns straight from the blocks (a panel would cost more than it saves): the
- * same weights (one FMA each, as dequantize_panel) and the same chain of FMAs per output as exact_panel_tile. */
+ * same weights (x8_weights, as dequantize_panel) and the same chain of FMAs per output as exact_panel_tile. */
 static inline __attribute__((always_inline)) void exact_row_tile(const struct quantized_x *x, int64_t row,
                                                                  const uint8_t *group, int64_t group_bytes,
                                                                  float *out, const int FORMAT, const int GROUPS) {
-    const int q4 = FORMAT == FORMAT_Q4_1_X8, header = q4 ? 32 : 16;
-    const int64_t bytes = q4 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
     __m256 acc[4];
     UNROLLED
     for (int g = 0; g < GROUPS; g++) acc[g] = _mm256_setzero_ps();
@@ -446,21 +450,16 @@ static inline __attribute__((always_inline)) void exact_row_tile(const struct qu
         for (int g = 0; g < GROUPS; g++) {
             const uint8_t *p = group + g * group_bytes + b * bytes;
             d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            m[g] = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))) : _mm256_setzero_ps();
+            m[g] = FORMAT == FORMAT_Q4_1_X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                            : _mm256_setzero_ps();
         }
         _Pragma("GCC unroll 4")
         for (int position = 0; position < BLOCK; position++) {
             __m256 activation = _mm256_broadcast_ss(xs + position);
-            /* Q4_1: position p in vector (p % 16) / 4, byte p % 4, the high nibble for p >= 16; Q8_0: vector p / 4 */
-            const int i = q4 ? position % 16 / 4 : position / 4, shift = q4 ? 8 * (position % 4) + 4 * (position / 16) : 0;
             UNROLLED
-            for (int g = 0; g < GROUPS; g++) {
-                __m256i packed = _mm256_loadu_si256((const __m256i *)(group + g * group_bytes + b * bytes + header + 32 * i));
-                __m256i q = q4 ? _mm256_and_si256(_mm256_srli_epi32(packed, shift), nibble)
-                               : _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * (position % 4)), 24);
-                __m256 w = q4 ? _mm256_fmadd_ps(d[g], _mm256_cvtepi32_ps(q), m[g]) : _mm256_mul_ps(d[g], _mm256_cvtepi32_ps(q));
-                acc[g] = _mm256_fmadd_ps(w, activation, acc[g]);
-            }
+            for (int g = 0; g < GROUPS; g++)
+                acc[g] = _mm256_fmadd_ps(x8_weights(group + g * group_bytes + b * bytes, position, d[g], m[g], FORMAT),
+                                         activation, acc[g]);
         }
     }
     UNROLLED
