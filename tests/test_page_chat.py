@@ -469,13 +469,16 @@ def test_an_empty_answer_leaves_no_empty_bubble_nor_two_user_turns(open_page):
 
 
 def test_decode_speed_is_shown_apart_from_ttft(open_page):
-    page, _ = open_scripted(open_page, [answer_with(["a"] * 6, gap_s=0.1, ttft_ms=4000)])
+    """The page times the tokens it received itself: 5 tokens after the first, sent 0.2 s apart, are ~5 tokens/s,
+    neither the server's figure (0.2) nor a rate that counts the 4 s wait (~1.2). The browser can receive the first
+    token late on a busy host, which shortens the span it sees, so the upper bound leaves room (25 = a 0.2 s span)."""
+    page, _ = open_scripted(open_page, [answer_with(["a"] * 6, gap_s=0.2, ttft_ms=4000)])
     send(page, "tokens")
     answer = last_answer(page)
     wait_done(answer)
     expect(answer.locator("[data-k=ttft]")).to_have_text("TTFT 4000 ms")
     decode = float(answer.locator("[data-k=tps]").inner_text().split()[0])
-    assert 5 <= decode <= 15, f"5 tokens after the first in ~0.5 s is ~10 tokens/s, not the server's 0.2: {decode}"
+    assert 2.5 <= decode <= 25, f"5 tokens after the first in ~1 s is ~5 tokens/s, not the server's 0.2: {decode}"
 
 
 def test_a_ten_turn_chat_resumes_from_the_cached_conversation(open_page):
