@@ -198,10 +198,9 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
     """ms for one decode step's weight matmuls on each path, at 1 / 8 / 16 rows (see the docstring)."""
     from engine.backends.q4 import Q4Weights, load_q4_kernels
     from engine.hardware import detect_host
-    from engine.model_store import gguf_of
 
     config, cache_dir = model.config, EngineConfig().cache_dir
-    blocks = Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), config)
+    blocks = Q4Weights.of_embedded_model(config, cache_dir)
     dense = [w.dequantized() for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
     dense.append(blocks.lm_head.dequantized())
     quantized = [w for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
@@ -246,9 +245,8 @@ def prefill_table(model, num_steps: int, against: str | None = None) -> list[str
     from tempfile import mkdtemp
 
     from engine.backends import q4
-    from engine.model_store import gguf_of
 
-    weights = q4.Q4Weights.from_gguf(gguf_of(resolve_model(EngineConfig()), EngineConfig()), model.config)
+    weights = q4.Q4Weights.of_embedded_model(model.config, EngineConfig().cache_dir)
     weights.give_model_the_same_weights(model)
     ids = torch.randint(100, 20000, (max(PREFILL_DEPTHS) + PREFILL_CHUNK,), generator=torch.Generator().manual_seed(0))
     helpers, rows = (os.cpu_count() or 1) - 1, []

@@ -18,7 +18,7 @@ from engine.backends.kv_cache import use_slot_attention
 from engine.backends.q4 import Q4Weights, load_q4_kernels
 from engine.config import EngineConfig
 from engine.hardware import detect_host
-from engine.model_store import default_model_dir, gguf_of
+from engine.model_store import default_model_dir
 
 TEXT = ("The ocean covers more than seventy percent of the surface of the Earth. It holds most of the planet's "
         "water and is home to a vast range of life, from tiny plankton to the blue whale, the largest animal that "
@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     model_dir = str(default_model_dir(EngineConfig().cache_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    weights = Q4Weights.from_gguf(gguf_of(model_dir, EngineConfig()), reference.config)
+    weights = Q4Weights.of_embedded_model(reference.config, EngineConfig().cache_dir)
     weights.give_model_the_same_weights(reference)
     use_slot_attention(reference)
     decoders = {exact: FastDecoder(reference, q4=(load_q4_kernels(EngineConfig().cache_dir, helpers=1, exact=exact),

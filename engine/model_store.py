@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .config import DEFAULT_MODEL, EngineConfig
 from .errors import InvalidRequest
+from .gguf_tensors import read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ def gguf_of(model_path: str, config: EngineConfig) -> str | None:
     return str(gguf) if gguf.exists() else None
 
 
+def gguf_tensors_copy(cache_dir: str) -> Path:
+    """Where the embedded GGUF's tensors are kept as safetensors (engine/gguf_tensors.py): beside the prepared
+    model's folder, not in it, where vLLM's loader would take it for weights."""
+    return default_model_dir(cache_dir).with_name(PREPARED_NAME + ".gguf-tensors.safetensors")
+
+
 def prepare_default_model(cache_dir: str, dtype: str = "bfloat16") -> Path:
     """Dequantize the embedded GGUF once and save model + tokenizer as safetensors."""
     import torch
@@ -98,4 +105,5 @@ def prepare_default_model(cache_dir: str, dtype: str = "bfloat16") -> Path:
     tokenizer.save_pretrained(partial)
     os.replace(partial, target)  # atomic: a half-written folder is never mistaken for a model
     logger.info("default model saved to %s", target)
+    read_tensors(str(gguf), gguf_tensors_copy(cache_dir))  # so that the first model worker starts as fast as the next
     return target

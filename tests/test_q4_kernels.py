@@ -18,7 +18,6 @@ from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights,
                                QuantizedWeight, error_bound, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
-from engine.model_store import gguf_of
 
 # A fixed English text (the model's own kind of answer) for the quality check.
 TEXT = ("The ocean covers more than seventy percent of the surface of the Earth. It holds most of the planet's "
@@ -43,7 +42,7 @@ def gguf_model(smol_model_dir):
     """The float32 model given the GGUF's weights dequantized (the reference), and its blocks."""
     model = AutoModelForCausalLM.from_pretrained(smol_model_dir, dtype=torch.float32).eval()
     assert use_slot_attention(model)
-    weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), model.config)
+    weights = Q4Weights.of_embedded_model(model.config, EngineConfig().cache_dir)
     weights.give_model_the_same_weights(model)
     return model, weights
 

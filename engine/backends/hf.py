@@ -29,7 +29,7 @@ from ..errors import describe
 from ..hardware import choose_dtype, detect_host
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
-from ..model_store import gguf_of
+from ..model_store import gguf_of, gguf_tensors_copy
 from .base import Backend, resolve_device
 from .bf16 import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
@@ -160,7 +160,8 @@ class HFBackend(Backend):
         if gguf is None:
             self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
-        weights = Q4Weights.from_gguf(gguf, self.model.config)  # ValueError: not a layout the kernels read
+        # ValueError: not a layout the kernels read
+        weights = Q4Weights.from_gguf(gguf, self.model.config, gguf_tensors_copy(config.cache_dir))
         weights.give_model_the_same_weights(self.model)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..gguf_tensors import read_tensors
 from ..hardware import cpu_flags
 from .c_build import built_library, find_compiler
 
@@ -260,17 +261,16 @@ class Q4Weights:
         self.layers, self.lm_head, self.norms = layers, lm_head, norms
 
     @classmethod
-    def from_gguf(cls, path: str, config) -> "Q4Weights":
-        """Raises ValueError for a GGUF whose tensors are not the 4-bit Llama layout these kernels read."""
-        from gguf import GGUFReader
-
-        tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    def from_gguf(cls, path: str, config, copy_path: Path | None = None) -> "Q4Weights":
+        """Raises ValueError for a GGUF whose tensors are not the 4-bit Llama layout these kernels read.
+        `copy_path`: where the GGUF's tensors are kept as safetensors (engine/gguf_tensors.py)."""
+        tensors = read_tensors(path, copy_path)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
         def weight(name: str, permute_heads: int = 0, allowed: tuple[str, ...] = ("Q4_1",)) -> QuantizedWeight:
             tensor = tensors.get(name)
-            if tensor is None or tensor.tensor_type.name not in allowed:
-                raise ValueError(f"{name}: {'missing' if tensor is None else tensor.tensor_type.name}, "
+            if tensor is None or tensor.type_name not in allowed:
+                raise ValueError(f"{name}: {'missing' if tensor is None else tensor.type_name}, "
                                  f"not {' or '.join(allowed)}")
             in_features, out_features = (int(d) for d in tensor.shape)
             blocks = np.asarray(tensor.data).reshape(out_features, -1)
@@ -278,11 +278,11 @@ class Q4Weights:
                 blocks = blocks.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
                     .swapaxes(1, 2).reshape(out_features, -1)
             return QuantizedWeight(torch.from_numpy(np.array(blocks, order="C")),
-                                   GGUF_FORMATS[tensor.tensor_type.name], out_features, in_features)
+                                   GGUF_FORMATS[tensor.type_name], out_features, in_features)
 
         def norm(name: str) -> torch.Tensor:
             tensor = tensors.get(name)
-            if tensor is None or tensor.tensor_type.name != "F32":
+            if tensor is None or tensor.type_name != "F32":
                 raise ValueError(f"{name}: not a float32 norm")
             return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(-1))
 
@@ -300,6 +300,13 @@ class Q4Weights:
         head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
         lm_head = weight(head_name, allowed=tuple(GGUF_FORMATS))
         return cls(layers, lm_head, norms)
+
+    @classmethod
+    def of_embedded_model(cls, config, cache_dir: str) -> "Q4Weights":
+        """The embedded default model's blocks, read through the copy kept in `cache_dir`."""
+        from ..model_store import find_gguf, gguf_tensors_copy
+
+        return cls.from_gguf(str(find_gguf()), config, gguf_tensors_copy(cache_dir))
 
     @torch.no_grad()
     def give_model_the_same_weights(self, model: nn.Module) -> None:
