@@ -140,13 +140,35 @@ def _quiet_http_logs():
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 
+@pytest.fixture(scope="session")
+def float32_servers(smol_model_dir):
+    """`get(backend)`: the live float32 server on that backend, started on first use and kept for every later
+    module of this xdist worker (the two backends' API tests and the SDK tests ask for the same one; a vLLM start
+    is ~35 s of a 2-core host). float32: in bfloat16 vLLM's and transformers' kernels round near-ties differently."""
+    servers = {}
+
+    def get(backend: str) -> LiveServer:
+        if backend not in servers:
+            servers[backend] = start_live_server(smol_model_dir, backend=backend, dtype="float32", threads=0)
+        return servers[backend]
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def sdk_server(request, smol_model_dir):
-    """The live server on each backend, for the `openai` SDK tests; float32, as tests/test_backends.py (in bfloat16
-    the two backends' kernels round near-ties differently)."""
-    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
-    yield live
-    live.stop()
+def float32_server(request, float32_servers) -> LiveServer:
+    """The shared float32 server on each backend in turn (the module's tests run once per backend)."""
+    server = float32_servers(request.param)
+    assert server.state.engine.num_running == 0, "a module before this one left a request running"
+    return server
+
+
+@pytest.fixture(scope="module")
+def sdk_server(float32_server) -> LiveServer:
+    """The live server on each backend, for the `openai` SDK tests."""
+    return float32_server
 
 
 def sdk(server) -> "openai.OpenAI":

@@ -6,15 +6,11 @@ from engine import BackendUnavailable, EngineConfig
 from engine import backend_choice as backends
 
 from .client import http
-from .conftest import start_live_server
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
-def server(request, smol_model_dir):
-    # float32: in bfloat16 vLLM's and transformers' kernels round a few near-ties differently.
-    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
-    yield live
-    live.stop()
+@pytest.fixture(scope="module")
+def server(float32_server):
+    return float32_server
 
 
 def test_models_reports_the_backend(server):

@@ -12,7 +12,6 @@ from engine.backends.constrained import MAX_KEPT_EXPANSION, GrammarCompiler
 from engine.response_format import MAX_EXPANSION, MAX_SCHEMA_DEPTH, parse_response_format, refuse_conflicts
 
 from .client import WsClient, http
-from .conftest import start_live_server
 
 PERSON = {
     "type": "object",
@@ -228,12 +227,9 @@ def test_kept_matchers_are_bounded_by_their_expansion(grammars):
 
 # -- the live server, both backends ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["hf", "vllm"])
-def server(request, smol_model_dir):
-    # float32, as tests/test_backends.py: bf16 kernels round near-ties differently between batch shapes.
-    live = start_live_server(smol_model_dir, backend=request.param, dtype="float32", threads=0)
-    yield live
-    live.stop()
+@pytest.fixture(scope="module")
+def server(float32_server):
+    return float32_server
 
 
 def sdk(server) -> openai.OpenAI:
