@@ -98,10 +98,36 @@ class ScriptedSocket:
         server.send(json.dumps(frame))
 
 
-def open_scripted(open_page, replies=(), viewport=DESKTOP, rewrite=None):
+def open_scripted(open_page, replies=(), viewport=DESKTOP, rewrite=None, init_script=None):
     sockets = []
-    page = open_page(viewport, before_load=lambda page: sockets.append(ScriptedSocket(page, replies, rewrite)))
+
+    def before_load(page):
+        sockets.append(ScriptedSocket(page, replies, rewrite))
+        if init_script:
+            page.add_init_script(init_script)
+    page = open_page(viewport, before_load=before_load)
     return page, sockets[0]
+
+
+# Records when the page's own socket delivers each delta (performance.now(), in the same dispatch as the page's
+# handler: this listener is added first).
+DELTA_TIMES = """(() => {
+  window.__deltaTimes = [];
+  const Native = window.WebSocket;
+  window.WebSocket = class extends Native {
+    constructor(...args) {
+      super(...args);
+      this.addEventListener("message", (event) => {
+        const now = performance.now();
+        try {
+          if (JSON.parse(event.data).type === "delta") window.__deltaTimes.push(now);
+        } catch (error) {
+          window.__deltaTimes.push(`unparsed: ${error}`);
+        }
+      });
+    }
+  };
+})();"""
 
 
 def rendered(page, markdown):
@@ -262,11 +288,12 @@ def test_a_1000_token_answer_streams_without_long_tasks(open_page):
     print(f"\n1,000 real tokens: {stats['frames']} render frames, {stats['totalMs']:.0f} ms in all, "
           f"longest {stats['maxMs']:.1f} ms; long tasks: {len(long_tasks)} ({sum(long_tasks):.0f} ms)")
     assert stats["frames"] > 10
-    # Wall-clock bounds with room for a 2-core host where the model worker and another test hold both cores: a
-    # starved main thread turns a short task long (3 such, 652 ms in all, in one suite run with 41.6 ms the longest
-    # render). Rendering the whole answer per frame would take ~900 long frames, not a few.
-    assert stats["maxMs"] < 100, "one frame's render must stay well under a frame budget's worth of jank"
-    assert len(long_tasks) <= 5 and sum(long_tasks) < 2000
+    # Bounds on the whole stream, not on its worst frame: on a 2-core host where the model worker and another test
+    # hold both cores, a starved main thread turns a few short tasks long (one suite run: a 702 ms "render" among
+    # 657 frames of 2.8 ms on average, and 16 long tasks). Rendering the whole answer every frame would make
+    # nearly every one of ~900 frames long.
+    assert stats["totalMs"] / stats["frames"] < 10, "a frame renders what arrived, not the whole answer"
+    assert len(long_tasks) < stats["frames"] / 10
 
 
 # ---- copy, composer, focus, keys --------------------------------------------------------------------------------
@@ -469,16 +496,19 @@ def test_an_empty_answer_leaves_no_empty_bubble_nor_two_user_turns(open_page):
 
 
 def test_decode_speed_is_shown_apart_from_ttft(open_page):
-    """The page times the tokens it received itself: 5 tokens after the first, sent 0.2 s apart, are ~5 tokens/s,
-    neither the server's figure (0.2) nor a rate that counts the 4 s wait (~1.2). The browser can receive the first
-    token late on a busy host, which shortens the span it sees, so the upper bound leaves room (25 = a 0.2 s span)."""
-    page, _ = open_scripted(open_page, [answer_with(["a"] * 6, gap_s=0.2, ttft_ms=4000)])
+    """The page times the tokens it received itself: 5 tokens after the first over the span between the first and
+    the last delta as its socket delivered them, neither the server's figure (0.2) nor a rate that counts the 4 s
+    wait. Checked against the span the page saw (a busy host can deliver the deltas late or bunched)."""
+    page, _ = open_scripted(open_page, [answer_with(["a"] * 6, gap_s=0.1, ttft_ms=4000)], init_script=DELTA_TIMES)
     send(page, "tokens")
     answer = last_answer(page)
     wait_done(answer)
     expect(answer.locator("[data-k=ttft]")).to_have_text("TTFT 4000 ms")
     decode = float(answer.locator("[data-k=tps]").inner_text().split()[0])
-    assert 2.5 <= decode <= 25, f"5 tokens after the first in ~1 s is ~5 tokens/s, not the server's 0.2: {decode}"
+    times = page.evaluate("window.__deltaTimes")
+    assert len(times) == 6
+    seen = 5 / ((times[-1] - times[0]) / 1000)
+    assert abs(decode - seen) <= 0.05 * seen + 0.1, f"shown {decode} tokens/s, the deltas came at {seen:.2f}/s"
 
 
 def test_a_ten_turn_chat_resumes_from_the_cached_conversation(open_page):
