@@ -64,7 +64,7 @@ def _read_copy(copy_path: Path, source: str) -> dict[str, StoredTensor] | None:
             layout = json.loads(metadata["tensors"])
             return {name: StoredTensor(type_name, tuple(shape), stored.get_tensor(name))
                     for name, (type_name, shape) in layout.items()}
-    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as exc:  # ValueError: bad JSON too
         logger.warning("cannot read %s (%s); reading the GGUF", copy_path, exc)
         return None
 
