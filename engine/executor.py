@@ -12,11 +12,11 @@ import itertools
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import threading
 import time
 
+from .channel import Channel, ChannelClosed, pipe_pair
 from .config import EngineConfig
 from .errors import CorrelationMismatch, WorkerBusy, WorkerFailed
 from .messages import (EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
@@ -25,7 +25,8 @@ from . import worker
 
 logger = logging.getLogger(__name__)
 
-LIVENESS_CHECK_S = 0.2  # how often a blocked `get` looks at whether the worker still lives
+LIVENESS_CHECK_S = 0.2  # how often a wait for the worker's answer looks at whether it still lives
+SHUTDOWN_SEND_S = 1.0
 TASK_WORDS = {StepTask: "computing the next tokens", EchoTask: "answering a readiness check"}  # for error messages
 
 
@@ -40,8 +41,7 @@ class ModelExecutor:
         self._process = None
         self._is_loaded = False
         self._is_closed = False  # after shutdown, never fork again
-        self._task_queue = None
-        self._result_queue = None
+        self._channel: Channel | None = None
         self.after_put_hook = None  # tests: widen the put→get window, as in the original race demo
         self._last_answer_time = float("-inf")  # time.monotonic() of the last result the worker sent
         self._call_started: float | None = None  # when the round-trip in flight began
@@ -68,12 +68,13 @@ class ModelExecutor:
             if self._is_closed:
                 raise WorkerFailed("the executor is shut down")
             self._kill()
-            self._task_queue = self._context.Queue(maxsize=4)
-            self._result_queue = self._context.Queue(maxsize=4)
+            self._channel, worker_end = pipe_pair()
             try:
-                self._process = self._fork_worker()
+                self._process = self._fork_worker(worker_end)
             except OSError as exc:  # out of processes or memory: a clear failure the engine retries
+                self._channel.close()
                 raise WorkerFailed(f"cannot fork the model worker: {exc}") from exc
+            self._channel.close_peer()  # the worker's ends are the worker's: its exit then reads as EOF here
             ready = self._get_result(self.config.load_timeout_s, "loading the model")
             if isinstance(ready, WorkerFailure):
                 self._kill()
@@ -110,8 +111,8 @@ class ModelExecutor:
         call_id = next(self._call_ids)
         task = dataclasses.replace(task, call_id=call_id)
         try:
-            self._task_queue.put(task, timeout=timeout)
-        except queue.Full:
+            self._channel.send(task, timeout)
+        except (TimeoutError, ChannelClosed):
             self._kill()
             raise WorkerFailed("the model worker stopped taking tasks") from None
         if self.after_put_hook:
@@ -144,15 +145,15 @@ class ModelExecutor:
         try:
             if self.is_alive():
                 try:
-                    self._task_queue.put(ShutdownTask(), timeout=1.0)
+                    self._channel.send(ShutdownTask(), SHUTDOWN_SEND_S)
                     self._process.join(timeout)
-                except queue.Full:
+                except (TimeoutError, ChannelClosed):
                     logger.warning("model worker did not take the shutdown task")
             self._kill()
         finally:
             self._round_trip_lock.release()
 
-    def _fork_worker(self):
+    def _fork_worker(self, worker_end: Channel):
         # A fork must not copy tokenizers' thread pool: its locks would be held forever in the child.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         # Not a daemon: vLLM's tensor/pipeline-parallel workers are the worker's children, and a daemonic
@@ -160,7 +161,7 @@ class ModelExecutor:
         # (so do its children) that `_kill` ends as a whole, and it dies with us (worker.die_with_parent).
         process = self._context.Process(
             target=worker.run_worker, name="lockstep-model-worker", daemon=False,
-            args=(self.config, self.model_path, self.backend, self._task_queue, self._result_queue))
+            args=(self.config, self.model_path, self.backend, worker_end))
         process.start()
         _lead_own_group(process.pid)
         # Before multiprocessing's own exit hook, which would wait forever for a non-daemonic child.
@@ -170,12 +171,14 @@ class ModelExecutor:
 
     def _get_result(self, timeout: float, what: str) -> Result:
         deadline = time.monotonic() + timeout
-        process, results = self._process, self._result_queue
+        process, channel = self._process, self._channel
         while True:
             try:
-                result = results.get(timeout=LIVENESS_CHECK_S)
-            except queue.Empty:
+                result = channel.receive(LIVENESS_CHECK_S)
+            except TimeoutError:
                 pass
+            except ChannelClosed:
+                process.join(LIVENESS_CHECK_S)  # its exit code, if it is exiting
             else:
                 self._last_answer_time = time.monotonic()
                 return result
@@ -188,7 +191,7 @@ class ModelExecutor:
                 raise WorkerFailed(f"the model worker did not answer within {timeout:.0f} s while {what}")
 
     def _kill(self) -> None:
-        """Stop the worker and everything it started (vLLM's workers) for good, and drop its queues
+        """Stop the worker and everything it started (vLLM's workers) for good, and drop its pipes
         (a restart gets fresh ones)."""
         atexit.unregister(self._kill)
         if self._process is None:
@@ -197,9 +200,7 @@ class ModelExecutor:
         if self._process.is_alive():
             self._process.kill()
         self._process.join(5.0)
-        for q in (self._task_queue, self._result_queue):
-            q.close()
-            q.cancel_join_thread()
+        self._channel.close()
         self._process, self._is_loaded = None, False
 
 

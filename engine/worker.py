@@ -1,7 +1,7 @@
 """The model worker: the forked child's entry point and its task loop.
 
 The model is loaded here, after the fork, so the parent never touches CUDA or runs a
-torch op. The loop blocks on the task queue; it exits on ShutdownTask or when the parent
+torch op. The loop waits on the task pipe; it exits on ShutdownTask or when the parent
 is gone (so a killed server never leaves an orphan holding the model).
 
 The parent runs threads (HTTP requests, the scheduler) and the fork copies only the one
@@ -13,13 +13,13 @@ import ctypes
 import io
 import logging
 import os
-import queue
 import signal
 import stat
 import sys
 import threading
 from importlib import _bootstrap as import_machinery
 
+from .channel import Channel, ChannelClosed
 from .errors import describe
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
@@ -27,13 +27,15 @@ from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask,
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
+RESULT_SEND_S = 60.0  # the parent reads while it waits for a result; past this it has killed us anyway
 PR_SET_PDEATHSIG = 1
 # The standard streams the fork copied, kept alive: finalizing one would flush it, and wait on its lost lock.
 _inherited_streams: list = []
 
 
-def run_worker(config, model_path: str, backend_name: str, task_queue, result_queue) -> None:
+def run_worker(config, model_path: str, backend_name: str, channel: Channel) -> None:
     parent_pid = os.getppid()
+    channel.close_peer()
     own_std_streams()
     forget_imports_of_lost_threads()
     lead_own_process_group()
@@ -44,28 +46,33 @@ def run_worker(config, model_path: str, backend_name: str, task_queue, result_qu
         backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
         logger.exception("model worker failed to load %s", model_path)
-        result_queue.put(WorkerFailure(0, describe(exc)))
+        channel.send(WorkerFailure(0, describe(exc)), RESULT_SEND_S)
         return
-    result_queue.put(WorkerReady(backend.info))
     try:
-        serve_tasks(backend, parent_pid, task_queue, result_queue)
+        channel.send(WorkerReady(backend.info), RESULT_SEND_S)
+        serve_tasks(backend, parent_pid, channel)
+    except (TimeoutError, ChannelClosed) as exc:
+        logger.warning("model worker exits: the parent no longer reads its results (%s)", exc)
     finally:
         backend.close()  # vLLM's own workers stop with it
 
 
-def serve_tasks(backend, parent_pid: int, task_queue, result_queue) -> None:
+def serve_tasks(backend, parent_pid: int, channel: Channel) -> None:
     """Answer tasks until a ShutdownTask comes or the parent is gone."""
     while True:
         try:
-            task = task_queue.get(timeout=PARENT_CHECK_S)
-        except queue.Empty:
+            task = channel.receive(PARENT_CHECK_S)
+        except TimeoutError:
             if os.getppid() != parent_pid:
                 logger.warning("parent process is gone; model worker exits")
                 return
             continue
+        except ChannelClosed:
+            logger.warning("the parent closed the task pipe; model worker exits")
+            return
         if isinstance(task, ShutdownTask):
             return
-        result_queue.put(handle_task(backend, task))
+        channel.send(handle_task(backend, task), RESULT_SEND_S)
 
 
 def own_std_streams() -> None:
@@ -163,7 +170,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 def close_inherited_sockets() -> None:
     """The fork copied every socket of the HTTP side (gunicorn's listener, open client connections): close
-    them, or this process keeps the port bound and half-closed clients hanging. Our queues are pipes."""
+    them, or this process keeps the port bound and half-closed clients hanging. Our channel is pipes."""
     for fd in _open_fds():
         try:
             if stat.S_ISSOCK(os.fstat(fd).st_mode):

@@ -137,6 +137,18 @@ def test_hung_worker_is_detected_by_the_timeout_and_replaced(make_engine, tiny_m
     assert engine.generate(["Hi"], SamplingParams(max_tokens=4))[0].finish_reason is FinishReason.LENGTH
 
 
+def test_a_stopped_idle_worker_cannot_hold_a_large_task_forever(make_engine, tiny_model_dir):
+    # The task pipe holds 64 KiB: a larger task is written as the worker reads it, and a worker that stopped
+    # reading must fail the call within its timeout, not block the caller for good.
+    engine = make_engine(tiny_model_dir)
+    engine.wait_idle(30)
+    os.kill(engine.executor.pid, signal.SIGSTOP)
+    with pytest.raises(WorkerFailed, match="stopped taking tasks"):
+        engine.executor.echo("x" * 1_000_000, timeout=2.0)
+    wait_for_restart(engine)
+    assert engine.executor.echo("y" * 1_000_000) == "y" * 1_000_000
+
+
 def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, monkeypatch):
     real_handle_task = worker_module.handle_task
 

@@ -155,8 +155,8 @@ def test_worker_loads_although_another_thread_was_writing_to_stderr_at_fork(held
     executor = ModelExecutor(config, tiny_model_dir, "hf")
     fork_worker = executor._fork_worker
 
-    def fork_then_drain():
-        process = fork_worker()
+    def fork_then_drain(worker_end):
+        process = fork_worker(worker_end)
         held_stderr.drain()  # the fork landed inside the write: now let every writer go on
         return process
 
