@@ -4,60 +4,94 @@ multiprocessing's Queue gives every message to a feeder thread that writes it, s
 thread to wake; on a 2-core host that was ~0.3 ms a decode step beside a ~10 ms step. Here the sending thread
 writes the message itself. The file descriptors are non-blocking and every wait is a `poll` with a deadline: a
 peer that stopped (SIGSTOP, a hung step) mid-message cannot hold the other side, and a message larger than the
-pipe (a long prompt) is written as the reader takes it. A timeout leaves the stream mid-message, so the caller
-drops the channel then (the executor kills the worker and makes fresh pipes).
+pipe (a long prompt) is written as the reader takes it. A send cut off mid-message (a timeout, an exception
+between writes) leaves the stream out of step: the channel is then broken, and the caller drops it (the executor
+kills the worker and makes fresh pipes).
 """
+import io
 import os
 import pickle
 import select
 import struct
 import time
+import weakref
 from dataclasses import dataclass, field
 
 HEADER = struct.Struct("!Q")  # the pickle's length
 MAX_MESSAGE_BYTES = 1 << 31  # larger means a desynchronized stream, not a message
-READ_CHUNK = 1 << 20
+READ_CHUNK = 1 << 16  # a pipe's buffer: os.read allocates what it is asked for
+
+_open_channels: "weakref.WeakSet[Channel]" = weakref.WeakSet()  # this process's, for `close_all_but`
 
 
 class ChannelClosed(EOFError):
-    """The other end is gone (its process exited or closed it)."""
+    """The other end is gone (its process exited or closed it), or this end was closed."""
+
+
+class ChannelBroken(ChannelClosed):
+    """The stream is out of step (a message cut off, a header no message has, a pickle that does not load): no
+    later message can be trusted."""
 
 
 def pipe_pair() -> tuple["Channel", "Channel"]:
     """Two ends that talk to each other: one for the parent, one for the child it forks."""
-    to_child_read, to_child_write = os.pipe()
-    to_parent_read, to_parent_write = os.pipe()
-    parent = Channel(to_parent_read, to_child_write, peer_fds=(to_child_read, to_parent_write))
-    child = Channel(to_child_read, to_parent_write, peer_fds=(to_parent_read, to_child_write))
-    for fd in (to_child_read, to_child_write, to_parent_read, to_parent_write):
-        os.set_blocking(fd, False)
-    return parent, child
+    fds: list[int] = []
+    try:
+        fds += os.pipe()  # to the child: read, write
+        fds += os.pipe()  # to the parent: read, write
+        for fd in fds:
+            os.set_blocking(fd, False)
+    except OSError:
+        _close(fds)
+        raise
+    to_child_read, to_child_write, to_parent_read, to_parent_write = fds
+    return Channel(to_parent_read, to_child_write), Channel(to_child_read, to_parent_write)
 
 
-@dataclass
+def close_all_but(keep: "Channel") -> None:
+    """In a forked child: close the copies of every other channel this process holds (the parent's end of this
+    pair, another engine's pipes), which would keep their peers from ever reading EOF."""
+    for channel in list(_open_channels):
+        if channel is not keep:
+            channel.close()
+
+
+@dataclass(eq=False)
 class Channel:
+    """One end: the descriptors it reads and writes. After a fork each process closes the end that is not its own
+    (the parent: the child's, once forked; the child: `close_all_but`), so either's exit reads as EOF."""
     read_fd: int
     write_fd: int
-    peer_fds: tuple[int, ...] = ()  # the other end's, closed by `close_peer` once the child has them
-    _received: bytearray = field(default_factory=bytearray)
+    _received: bytearray = field(default_factory=bytearray, repr=False)
+    _broken: str = ""
+
+    def __post_init__(self):
+        _open_channels.add(self)
 
     def send(self, message, timeout: float) -> None:
-        """Write one message; TimeoutError if the reader took too little of it within `timeout` (the stream is
-        then mid-message: drop the channel), ChannelClosed if the reader is gone."""
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        view = memoryview(HEADER.pack(len(data)) + data)
+        """Write one message; TimeoutError if the reader took too little of it within `timeout` (the channel is
+        then broken), ChannelClosed if the reader is gone, ValueError (nothing written) if it is too large."""
+        self._check_usable()
+        view = frame = _frame(message)
         deadline = time.monotonic() + timeout
-        while view:
-            try:
-                view = view[os.write(self.write_fd, view):]
-            except BlockingIOError:
-                self._wait(self.write_fd, select.POLLOUT, deadline)
-            except BrokenPipeError:
-                raise ChannelClosed("the other end of the pipe is gone") from None
+        try:
+            while view:
+                try:
+                    view = view[os.write(self.write_fd, view):]
+                except BlockingIOError:
+                    self._wait(self.write_fd, select.POLLOUT, deadline)
+                except BrokenPipeError:
+                    raise ChannelClosed("the other end of the pipe is gone") from None
+                except OSError as exc:
+                    raise ChannelClosed(f"the pipe cannot be written: {exc}") from None
+        finally:
+            if 0 < len(view) < len(frame):
+                self._broken = "a message was cut off mid-write"
 
     def receive(self, timeout: float):
         """The next message; TimeoutError if it has not fully come within `timeout` (what came is kept for the
-        next call), ChannelClosed if the writer is gone."""
+        next call), ChannelClosed if the writer is gone, ChannelBroken if the stream is out of step."""
+        self._check_usable()
         deadline = time.monotonic() + timeout
         while (message := self._complete_message()) is None:
             try:
@@ -65,33 +99,42 @@ class Channel:
             except BlockingIOError:
                 self._wait(self.read_fd, select.POLLIN, deadline)
                 continue
+            except OSError as exc:  # closed under us (the interpreter's exit hook kills the worker)
+                raise ChannelClosed(f"the pipe cannot be read: {exc}") from None
             if not chunk:
                 raise ChannelClosed("the other end of the pipe is gone")
             self._received += chunk
         return message
 
-    def close_peer(self) -> None:
-        """Close the other end's descriptors in this process (after the fork), so that end's exit reads as EOF."""
-        _close(self.peer_fds)
-        self.peer_fds = ()
-
     def close(self) -> None:
-        _close((self.read_fd, self.write_fd, *self.peer_fds))
-        self.read_fd = self.write_fd = -1
-        self.peer_fds = ()
+        _close((self.read_fd, self.write_fd))
+        self.read_fd = self.write_fd = -1  # never closed twice: the numbers may belong to another file by then
+        _open_channels.discard(self)
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise ChannelBroken(self._broken)
+        if self.read_fd < 0:
+            raise ChannelClosed("this end of the pipe is closed")
 
     def _complete_message(self):
         if len(self._received) < HEADER.size:
             return None
         (size,) = HEADER.unpack_from(self._received)
         if size > MAX_MESSAGE_BYTES:
-            raise ChannelClosed(f"a message header of {size} bytes: the stream is out of step")
+            self._broken = f"a message header of {size} bytes: the stream is out of step"
+            raise ChannelBroken(self._broken)
         end = HEADER.size + size
         if len(self._received) < end:
             return None
-        message = pickle.loads(self._received[HEADER.size:end])
-        del self._received[:end]
-        return message
+        try:
+            with memoryview(self._received) as received, received[HEADER.size:end] as pickled:
+                return pickle.loads(pickled)
+        except Exception as exc:  # noqa: BLE001 - whatever a pickle raises, the message is lost: say so
+            self._broken = f"a message that does not load: {exc!r}"
+            raise ChannelBroken(self._broken) from exc
+        finally:
+            del self._received[:end]
 
     @staticmethod
     def _wait(fd: int, event: int, deadline: float) -> None:
@@ -101,6 +144,19 @@ class Channel:
         poller = select.poll()
         poller.register(fd, event)
         poller.poll(max(1, int(remaining * 1000 + 0.999)))  # ms, rounded up: never a busy zero-wait loop
+
+
+def _frame(message) -> memoryview:
+    """The header and the pickle in one buffer, written by one pickler (no copy of a large message)."""
+    buffer = io.BytesIO()
+    buffer.write(bytes(HEADER.size))
+    pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    size = buffer.tell() - HEADER.size
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {size} bytes is larger than the channel takes ({MAX_MESSAGE_BYTES})")
+    frame = buffer.getbuffer()
+    HEADER.pack_into(frame, 0, size)
+    return frame
 
 
 def _close(fds) -> None:

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from .channel import Channel, ChannelClosed, pipe_pair
+from .channel import Channel, ChannelBroken, ChannelClosed, pipe_pair
 from .config import EngineConfig
 from .errors import CorrelationMismatch, WorkerBusy, WorkerFailed
 from .messages import (EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
@@ -68,13 +68,17 @@ class ModelExecutor:
             if self._is_closed:
                 raise WorkerFailed("the executor is shut down")
             self._kill()
-            self._channel, worker_end = pipe_pair()
+            try:
+                self._channel, worker_end = pipe_pair()
+            except OSError as exc:  # out of file descriptors
+                raise WorkerFailed(f"cannot open pipes to the model worker: {exc}") from exc
             try:
                 self._process = self._fork_worker(worker_end)
             except OSError as exc:  # out of processes or memory: a clear failure the engine retries
                 self._channel.close()
+                worker_end.close()
                 raise WorkerFailed(f"cannot fork the model worker: {exc}") from exc
-            self._channel.close_peer()  # the worker's ends are the worker's: its exit then reads as EOF here
+            worker_end.close()  # the worker's own now: its exit then reads as EOF here
             ready = self._get_result(self.config.load_timeout_s, "loading the model")
             if isinstance(ready, WorkerFailure):
                 self._kill()
@@ -110,14 +114,15 @@ class ModelExecutor:
             raise WorkerFailed("the model worker is not running")
         call_id = next(self._call_ids)
         task = dataclasses.replace(task, call_id=call_id)
+        deadline = time.monotonic() + timeout  # one bound for the send and the answer together
         try:
             self._channel.send(task, timeout)
-        except (TimeoutError, ChannelClosed):
+        except (TimeoutError, ChannelClosed):  # ChannelBroken too: an earlier send was cut off
             self._kill()
             raise WorkerFailed("the model worker stopped taking tasks") from None
         if self.after_put_hook:
             self.after_put_hook()
-        result = self._get_result(timeout, TASK_WORDS.get(type(task), "answering"))
+        result = self._get_result(timeout, TASK_WORDS.get(type(task), "answering"), deadline)
         if result.call_id != call_id:
             self._kill()
             raise CorrelationMismatch(
@@ -169,14 +174,17 @@ class ModelExecutor:
         logger.info("forked model worker %d for %s", process.pid, self.model_path)
         return process
 
-    def _get_result(self, timeout: float, what: str) -> Result:
-        deadline = time.monotonic() + timeout
+    def _get_result(self, timeout: float, what: str, deadline: float | None = None) -> Result:
+        deadline = deadline or time.monotonic() + timeout
         process, channel = self._process, self._channel
         while True:
             try:
                 result = channel.receive(LIVENESS_CHECK_S)
             except TimeoutError:
                 pass
+            except ChannelBroken as exc:
+                self._kill()
+                raise WorkerFailed(f"the model worker's answer could not be read while {what}: {exc}") from None
             except ChannelClosed:
                 process.join(LIVENESS_CHECK_S)  # its exit code, if it is exiting
             else:

@@ -13,13 +13,14 @@ import ctypes
 import io
 import logging
 import os
+import pickle
 import signal
 import stat
 import sys
 import threading
 from importlib import _bootstrap as import_machinery
 
-from .channel import Channel, ChannelClosed
+from .channel import Channel, ChannelClosed, close_all_but
 from .errors import describe
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
@@ -27,7 +28,6 @@ from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask,
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
-RESULT_SEND_S = 60.0  # the parent reads while it waits for a result; past this it has killed us anyway
 PR_SET_PDEATHSIG = 1
 # The standard streams the fork copied, kept alive: finalizing one would flush it, and wait on its lost lock.
 _inherited_streams: list = []
@@ -35,7 +35,7 @@ _inherited_streams: list = []
 
 def run_worker(config, model_path: str, backend_name: str, channel: Channel) -> None:
     parent_pid = os.getppid()
-    channel.close_peer()
+    close_all_but(channel)  # the parent's ends, and any other engine's pipes the fork copied
     own_std_streams()
     forget_imports_of_lost_threads()
     lead_own_process_group()
@@ -46,19 +46,20 @@ def run_worker(config, model_path: str, backend_name: str, channel: Channel) -> 
         backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line
         logger.exception("model worker failed to load %s", model_path)
-        channel.send(WorkerFailure(0, describe(exc)), RESULT_SEND_S)
+        channel.send(WorkerFailure(0, describe(exc)), config.load_timeout_s)
         return
     try:
-        channel.send(WorkerReady(backend.info), RESULT_SEND_S)
-        serve_tasks(backend, parent_pid, channel)
+        channel.send(WorkerReady(backend.info), config.load_timeout_s)
+        serve_tasks(backend, parent_pid, channel, result_send_s=config.step_timeout_s)
     except (TimeoutError, ChannelClosed) as exc:
         logger.warning("model worker exits: the parent no longer reads its results (%s)", exc)
     finally:
         backend.close()  # vLLM's own workers stop with it
 
 
-def serve_tasks(backend, parent_pid: int, channel: Channel) -> None:
-    """Answer tasks until a ShutdownTask comes or the parent is gone."""
+def serve_tasks(backend, parent_pid: int, channel: Channel, result_send_s: float) -> None:
+    """Answer tasks until a ShutdownTask comes or the parent is gone. The parent reads while it waits for a result
+    and gives up (kills us) `result_send_s` after its send: a result's write needs no longer bound."""
     while True:
         try:
             task = channel.receive(PARENT_CHECK_S)
@@ -72,7 +73,12 @@ def serve_tasks(backend, parent_pid: int, channel: Channel) -> None:
             return
         if isinstance(task, ShutdownTask):
             return
-        channel.send(handle_task(backend, task), RESULT_SEND_S)
+        result = handle_task(backend, task)
+        try:
+            channel.send(result, result_send_s)
+        except (ValueError, TypeError, pickle.PicklingError) as exc:  # nothing written: say why instead
+            logger.exception("model worker cannot send its result")
+            channel.send(WorkerFailure(task.call_id, f"the result cannot be sent: {describe(exc)}"), result_send_s)
 
 
 def own_std_streams() -> None:

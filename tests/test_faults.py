@@ -10,6 +10,7 @@ import pytest
 from engine import CorrelationMismatch, FinishReason, SamplingParams, WorkerFailed
 from engine import worker as worker_module
 from engine.messages import EchoResult, EchoTask
+from .test_channel import FailsToLoadIn
 
 PROMPTS = ["Hi", "Tell me a story about dragons.", "1, 2, 3,", "The weather today is"]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -147,6 +148,16 @@ def test_a_stopped_idle_worker_cannot_hold_a_large_task_forever(make_engine, tin
         engine.executor.echo("x" * 1_000_000, timeout=2.0)
     wait_for_restart(engine)
     assert engine.executor.echo("y" * 1_000_000) == "y" * 1_000_000
+
+
+def test_an_answer_the_parent_cannot_read_fails_the_call_and_restarts_the_worker(make_engine, tiny_model_dir):
+    # A result that does not unpickle here must not stay at the head of the pipe and fail every later call.
+    engine = make_engine(tiny_model_dir)
+    engine.wait_idle(30)
+    with pytest.raises(WorkerFailed, match="could not be read"):
+        engine.executor.echo(FailsToLoadIn(os.getpid()))  # loads in the worker, not back here
+    wait_for_restart(engine)
+    assert engine.executor.echo("after") == "after"
 
 
 def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, monkeypatch):
