@@ -32,8 +32,12 @@ logger = logging.getLogger(__name__)
 
 CONFIGS = {
     "hf": ServerConfig("lockstep hf (defaults)", "lockstep", in_length_sweep=True, same_weights_peer="llama-server",
-                       description="gunicorn as `make serve` starts it, no settings (here: the 4-bit GGUF blocks on "
-                                   "lockstep's kernels)"),
+                       description="gunicorn as `make serve` starts it, no settings (what that computes with on "
+                                   "each host class: docs/benchmarks.md, the table of host classes)"),
+    "hf-q4": ServerConfig("lockstep hf, 4-bit weights", "lockstep", (("LOCKSTEP_WEIGHTS", "q4"),),
+                          same_weights_peer="llama-server",
+                          description="`LOCKSTEP_WEIGHTS=q4`: the GGUF's 4-bit blocks on lockstep's kernels with "
+                                      "8-bit activations (the defaults where bfloat16 is not computed natively)"),
     "hf-1thread": ServerConfig("lockstep hf, one thread", "lockstep", (("LOCKSTEP_KERNEL_HELPER_ROWS", "0"),),
                                same_weights_peer="llama-server",
                                description="`LOCKSTEP_KERNEL_HELPER_ROWS=0`: the kernels without helper threads"),
@@ -42,6 +46,10 @@ CONFIGS = {
                              description="`LOCKSTEP_WEIGHTS=exact`: the GGUF's 4-bit blocks on lockstep's kernels "
                                          "with float32 activations (the weights' own numbers; llama-server bf16 "
                                          "computes on them rounded to bfloat16)"),
+    "hf-bf16": ServerConfig("lockstep hf, bfloat16", "lockstep", (("LOCKSTEP_DTYPE", "bfloat16"),),
+                            same_weights_peer="llama-server bf16",
+                            description="`LOCKSTEP_DTYPE=bfloat16`: the prepared bfloat16 model (on AVX512-BF16, "
+                                        "lockstep's bfloat16 kernels; emulated, and slow, elsewhere)"),
     "hf-static": ServerConfig("lockstep hf, policy static", "lockstep", (("LOCKSTEP_POLICY", "static"),),
                               description="`LOCKSTEP_POLICY=static`"),
     # One request at a time: 2 requests per client would take minutes at 16 clients, so each client sends one.

@@ -11,7 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import hardware
-from engine.backends import bf16
 from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
@@ -49,19 +48,21 @@ def gguf_model(smol_model_dir):
 
 @torch.inference_mode()
 def test_this_host_computes_on_what_it_has(smol_model_dir):
-    """The defaults: lockstep's bfloat16 kernels where the CPU has AVX512-BF16, else the 4-bit blocks."""
+    """The defaults: the model's 4-bit blocks on every CPU (AVX512-BF16 too), the kernels this CPU runs."""
     host = hardware.detect_host()
     defaults = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
-    has_bf16_kernels = bf16.CPU_FLAGS <= host.flags
-    assert defaults.info.weights == ("" if has_bf16_kernels else "q4_1")
-    assert defaults.info.dtype == ("bfloat16" if has_bf16_kernels else "float32")
+    assert (defaults.info.weights, defaults.info.dtype) == ("q4_1", "float32")
+    assert defaults.fast_decoder.q4 is not None and not defaults.fast_decoder.q4.exact
+    assert "the model ships 4-bit weights" in defaults.info.compute_reason and host.isa in defaults.info.compute_reason
     defaults.close()
     backend = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="q4"), smol_model_dir)
     info = backend.info
     assert (info.weights, info.dtype) == ("q4_1", "float32")
     has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
+    has_vnni = has_avx2 and ({"avx512_vnni", "avx512vl", "avx512f"} <= host.flags or "avx_vnni" in host.flags)
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
-    assert ("AVX2+FMA" if has_avx2 else "portable C") in info.compute
+    assert backend.fast_decoder.q4.uses_vnni == has_vnni
+    assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "portable C") in info.compute
     assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     assert not backend.fast_decoder.q4.exact and "8-bit activations" in info.compute
     # AVX2 reads the blocks regrouped by 8 rows (vertical dot products); the portable C reads them as they are
@@ -195,6 +196,30 @@ def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_mo
     for weight in (weights.layers[0].qkv, weights.lm_head):
         reference, bound = error_bound(x, weight.dequantized(), portable.exact)
         assert bool(((portable.linear(x, weight).double() - reference).abs() <= bound).all())
+
+
+VNNI_FLAGS = hardware.cpu_flags() & {"avx512_vnni", "avx_vnni"}
+
+
+@pytest.mark.skipif(not VNNI_FLAGS or not {"avx2", "fma", "f16c"} <= hardware.cpu_flags(),
+                    reason="this CPU has no AVX512-VNNI or AVX-VNNI (vpdpbusd): only the AVX2 dot products run here")
+def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model):
+    """vpdpbusd sums the same integer products as AVX2's maddubs + madd: every output the same bits, at every
+    row count of the tiles (1 to 9 rows), for both block formats."""
+    vnni = load_q4_kernels(str(tmp_path / "vnni"), helpers=1)
+    monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, "avx512f,avx512_vnni,avx_vnni")
+    hardware.cpu_flags.cache_clear()
+    try:
+        avx2 = load_q4_kernels(str(tmp_path / "avx2"), helpers=1)
+    finally:
+        monkeypatch.delenv(hardware.CAPABILITY_MASK_ENV)
+        hardware.cpu_flags.cache_clear()
+    assert vnni.uses_vnni and "VNNI" in vnni.name and avx2.uses_avx2 and not avx2.uses_vnni
+    _, weights = gguf_model
+    for rows in (1, 3, 8, 9):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        for weight in (weights.layers[0].gate_up, weights.lm_head):
+            assert torch.equal(vnni.linear(x, vnni.interleaved(weight)), avx2.linear(x, avx2.interleaved(weight)))
 
 
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):

@@ -31,7 +31,7 @@ from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
 from ..model_store import gguf_of, gguf_tensors_copy
 from .base import Backend, resolve_device
-from .bf16 import CPU_FLAGS, Bf16Kernels, load_bf16_kernels
+from .bf16 import Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
@@ -456,8 +456,9 @@ def _q4_mode(config: EngineConfig, gguf: str | None, host) -> tuple[str, str]:
     """How to compute on the model's 4-bit blocks ("q4": 8-bit activations, "exact": float32 ones, "": not on
     them), and why not where it is "". `exact` where the model ships them and the dtype is float32 or auto (the
     blocks' own numbers: the same as the float32 dequantized model but for the order of sums); `auto`: q4 where
-    the model ships them, unless the dtype is set, or the CPU runs lockstep's bfloat16 kernels (AVX512-BF16: the
-    bfloat16 model is fast there without rounding its weights, docs/benchmarks.md)."""
+    the model ships them, unless the dtype is set. On every CPU measured that is the fastest at one client, by the
+    bytes a step reads: on AVX512-BF16 too, 1.8x the bfloat16 kernels there and 0.87x of them at 8-16 clients
+    (docs/benchmarks.md)."""
     if config.weights == "q4":
         return "q4", ""
     if config.weights == "exact":
@@ -468,8 +469,6 @@ def _q4_mode(config: EngineConfig, gguf: str | None, host) -> tuple[str, str]:
         return "", "no 4-bit blocks for this model"
     if config.dtype != "auto":
         return "", "weights=auto keeps a configured dtype exact"
-    if config.bf16_kernel and CPU_FLAGS <= host.flags:
-        return "", "this CPU runs lockstep's bfloat16 kernels"
     return "q4", ""
 
 

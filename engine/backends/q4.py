@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("q4_kernels.c")
 # x86 instruction sets the capability mask (hardware.CAPABILITY_MASK_ENV) can take away from -march=native, so a
 # host with them builds and tests the code a lesser host runs (no AVX2: the portable C).
-MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f"}
+MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f",
+                "avx512_vnni": "-mno-avx512vnni", "avx_vnni": "-mno-avxvnni"}
 LINK_FLAGS = ("-lm", "-pthread")
 BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
@@ -58,12 +59,14 @@ class Q4Kernels:
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
         self._interleave.restype = None
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
+        self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
 
     @property
     def name(self) -> str:
-        return f"lockstep's 4-bit kernels ({'AVX2+FMA' if self.uses_avx2 else 'portable C'}, " \
+        isa = ("AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "")) if self.uses_avx2 else "portable C"
+        return f"lockstep's 4-bit kernels ({isa}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
                f"{', blocks interleaved by 8 rows' if self.interleaves else ''})"
 

@@ -42,6 +42,19 @@
 #endif
 #endif
 
+/* vpdpbusd: four u8 x s8 products and their sum added to an int32 lane in one instruction (AVX512-VNNI with VL,
+ * or Intel's AVX-VNNI), where AVX2 needs maddubs to int16 pairs, then madd to int32. The integer sums are the same,
+ * so the outputs are the same bits either way. */
+#if LOCKSTEP_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LOCKSTEP_VNNI 1
+#define dot4_add(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif LOCKSTEP_AVX2 && defined(__AVXVNNI__)
+#define LOCKSTEP_VNNI 1
+#define dot4_add(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define LOCKSTEP_VNNI 0
+#endif
+
 #define BLOCK 32
 #define Q4_1_BYTES 20
 #define Q8_0_BYTES 34
@@ -54,6 +67,7 @@
 enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3 };
 
 int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
+int lockstep_q4_uses_vnni(void) { return LOCKSTEP_VNNI; }
 
 static inline float half_to_float(uint16_t h) {
 #if LOCKSTEP_AVX2
@@ -323,13 +337,22 @@ static inline __attribute__((always_inline)) void x8_tile(const struct quantized
                 int32_t first, second; /* activations 4i..4i+3 and 16+4i..16+4i+3 of this block */
                 memcpy(&first, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
                 memcpy(&second, x->q + (row + r) * x->k + b * BLOCK + 16 + 4 * i, 4);
+#if LOCKSTEP_VNNI
+                __m256i sums = dot4_add(i ? dots[r] : _mm256_setzero_si256(), low, _mm256_set1_epi32(first));
+                dots[r] = dot4_add(sums, high, _mm256_set1_epi32(second));
+#else
                 __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(first)),
                                                  _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
                 dots[r] = i ? _mm256_add_epi16(dots[r], pairs) : pairs;
+#endif
             }
         }
         for (int r = 0; r < ROWS; r++) {
+#if LOCKSTEP_VNNI
+            __m256 dot = _mm256_cvtepi32_ps(dots[r]);
+#else
             __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones));
+#endif
             acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x->scale[(row + r) * blocks + b])), acc[r]);
             minimum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
         }
@@ -354,9 +377,14 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
             for (int r = 0; r < ROWS; r++) {
                 int32_t four; /* activations 4i..4i+3 of this block */
                 memcpy(&four, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
+#if LOCKSTEP_VNNI
+                dots[r] = dot4_add(i ? dots[r] : _mm256_setzero_si256(), magnitude,
+                                   _mm256_sign_epi8(_mm256_set1_epi32(four), w));
+#else
                 __m256i sums = _mm256_madd_epi16(
                     _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(four), w)), ones);
                 dots[r] = i ? _mm256_add_epi32(dots[r], sums) : sums;
+#endif
             }
         }
         for (int r = 0; r < ROWS; r++)
