@@ -86,7 +86,8 @@ def describe_machine(model_dir: str) -> dict:
     from engine.model_store import find_gguf
 
     host = detect_host()
-    relevant = set().union(*(needed for _, needed in ISA_FLAGS), {"avx512bw", "avx512vl", "amx_tile", "f16c"})
+    relevant = set().union(*(needed for _, needed in ISA_FLAGS),
+                         {"avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile", "f16c"})
     return {"cpu": _cpu_model(), "isa": host.isa, "cpu_flags": sorted(relevant & host.flags),
             "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
             "load_average_at_start": round(os.getloadavg()[0], 2), "python": platform.python_version(),
