@@ -88,7 +88,7 @@ class HFBackend(Backend):
         self.device = torch.device(resolve_device(config.device))
         host = detect_host()
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
-        q4_mode, why_not = _q4_mode(config, gguf, host)
+        q4_mode, why_not = _q4_mode(config, gguf)
         dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if q4_mode else \
             choose_dtype(config.dtype, self.device.type, host)
         if why_not:
@@ -452,13 +452,13 @@ class HFBackend(Backend):
             release_freed_memory()
 
 
-def _q4_mode(config: EngineConfig, gguf: str | None, host) -> tuple[str, str]:
+def _q4_mode(config: EngineConfig, gguf: str | None) -> tuple[str, str]:
     """How to compute on the model's 4-bit blocks ("q4": 8-bit activations, "exact": float32 ones, "": not on
     them), and why not where it is "". `exact` where the model ships them and the dtype is float32 or auto (the
     blocks' own numbers: the same as the float32 dequantized model but for the order of sums); `auto`: q4 where
-    the model ships them, unless the dtype is set. On every CPU measured that is the fastest at one client, by the
-    bytes a step reads: on AVX512-BF16 too, 1.8x the bfloat16 kernels there and 0.87x of them at 8-16 clients
-    (docs/benchmarks.md)."""
+    the model ships them, unless the dtype is set: on every CPU measured the fastest at one client (a step reads
+    98 MB of blocks, not 269 MB of bfloat16), on AVX512-BF16 too, where it serves 1.6x the bfloat16 kernels at one
+    client and, with the VNNI dot products, as fast or faster at 8 and 16 (docs/benchmarks.md)."""
     if config.weights == "q4":
         return "q4", ""
     if config.weights == "exact":
