@@ -170,7 +170,7 @@ class HFBackend(Backend):
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None
         self.compute_reason = {
-            "auto": f"auto: the model ships 4-bit weights ({host.isa} kernels read them as they are)",
+            "auto": "auto: the model ships 4-bit weights (lockstep's 4-bit kernels read them as they are)",
             "q4": "configured: weights=q4",
             "exact": "configured: weights=exact (the 4-bit blocks' own numbers, float32 activations)"}[config.weights]
         return kernels, weights
