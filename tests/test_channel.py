@@ -10,8 +10,6 @@ from engine import channel as channel_module
 from engine.channel import HEADER, ChannelBroken, ChannelClosed, close_all_but, pipe_pair
 from engine.messages import NewRequest, StepTask, WorkerSampling
 
-PIPE_BYTES = 64 * 1024  # Linux's default pipe buffer
-
 
 def echo_until_closed(channel):
     close_all_but(channel)
