@@ -68,8 +68,8 @@ def serve_tasks(backend, parent_pid: int, channel: Channel, result_send_s: float
                 logger.warning("parent process is gone; model worker exits")
                 return
             continue
-        except ChannelClosed:
-            logger.warning("the parent closed the task pipe; model worker exits")
+        except ChannelClosed as exc:  # the parent closed it, or the stream is out of step (ChannelBroken)
+            logger.warning("model worker exits: its task pipe says %s", exc)
             return
         if isinstance(task, ShutdownTask):
             return
