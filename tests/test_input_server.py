@@ -66,7 +66,9 @@ def test_a_lone_surrogate_frame_is_an_error_and_the_socket_stays_usable(server):
 def test_bursts_of_huge_prompts_leave_memory_flat(smol_server):
     """Issue 8's burst: 32 parallel 900 KB prompts (over the bound: refused before tokenizing) and 16 of
     300 KB (tokenized, a few at a time). This process hosts the server: its RSS stays near where it started
-    (measured: start 431 MB, peak 592, after bursts 444-450; before the fix: peak 6.8 GB, 1.0-1.5 GB after)."""
+    (measured: start 431 MB, peak 592, after bursts 444-450; before the fix: peak 6.8 GB, 1.0-1.5 GB after).
+    The slack is absolute too: in a pytest worker that ran other modules first the process starts larger and
+    more fragmented (start 718 MB, after bursts 766-794 in one CI-like run), still 600 MB below the unfixed code."""
     over = json.dumps({"prompt": "a " * 450000})
     under = json.dumps({"prompt": "a " * 150000})
     burst(smol_server, [under])  # warm up: first-use allocations are not growth
@@ -77,7 +79,7 @@ def test_bursts_of_huge_prompts_leave_memory_flat(smol_server):
         assert statuses.count(200) >= 4  # a few 429 (tokenizer queue full) are fine; none is a 500
         rss.mark_burst_end()
     rss.stop()
-    assert max(rss.after_bursts) <= rss.start * 1.10, rss.report()
+    assert max(rss.after_bursts) <= rss.start + max(rss.start // 10, 128 << 20), rss.report()
     assert rss.peak <= rss.start + (400 << 20), rss.report()
 
 
