@@ -59,7 +59,7 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     info = backend.info
     assert (info.weights, info.dtype) == ("q4_1", "float32")
     has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
-    has_vnni = has_avx2 and ({"avx512_vnni", "avx512vl", "avx512f"} <= host.flags or "avx_vnni" in host.flags)
+    has_vnni = has_vnni_kernels(host.flags)
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
     assert backend.fast_decoder.q4.uses_vnni == has_vnni
     assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "portable C") in info.compute
@@ -179,18 +179,30 @@ def test_quality_against_the_float32_dequantized_gguf(kernels, gguf_model):
     assert abs(perplexity(got) / perplexity(reference) - 1) < (0.001 if kernels.exact else 0.02)
 
 
-@pytest.mark.parametrize("activations", ACTIVATIONS)
-def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_model, activations):
-    """What a host without AVX2 runs, built and checked here by hiding the instructions from the compiler."""
-    monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, "avx2,fma,f16c,avx512f")
+def has_vnni_kernels(flags) -> bool:
+    """Whether q4_kernels.c builds its VNNI dot products for a CPU with these flags (its LOCKSTEP_VNNI)."""
+    return {"avx2", "fma", "f16c"} <= flags and ({"avx512_vnni", "avx512vl", "avx512f"} <= flags
+                                                  or "avx_vnni" in flags)
+
+
+def kernels_with_flags_hidden(monkeypatch, folder, hidden: str, exact: bool = False):
+    """The kernels as a host without the `hidden` flags (comma-separated) builds them, and that host's flags."""
+    monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, hidden)
     hardware.cpu_flags.cache_clear()
     try:
-        portable = load_q4_kernels(str(tmp_path), helpers=1, exact=ACTIVATIONS[activations])
-        assert portable is not None and not portable.uses_avx2 and "portable C" in portable.name
-        assert not {"avx2", "fma"} & hardware.detect_host().flags
+        return load_q4_kernels(str(folder), helpers=1, exact=exact), hardware.detect_host().flags
     finally:
         monkeypatch.delenv(hardware.CAPABILITY_MASK_ENV)
         hardware.cpu_flags.cache_clear()
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_model, activations):
+    """What a host without AVX2 runs, built and checked here by hiding the instructions from the compiler."""
+    portable, masked_flags = kernels_with_flags_hidden(monkeypatch, tmp_path, "avx2,fma,f16c,avx512f",
+                                                       ACTIVATIONS[activations])
+    assert portable is not None and not portable.uses_avx2 and "portable C" in portable.name
+    assert not {"avx2", "fma"} & masked_flags
     _, weights = gguf_model
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     for weight in (weights.layers[0].qkv, weights.lm_head):
@@ -198,22 +210,13 @@ def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_mo
         assert bool(((portable.linear(x, weight).double() - reference).abs() <= bound).all())
 
 
-VNNI_FLAGS = hardware.cpu_flags() & {"avx512_vnni", "avx_vnni"}
-
-
-@pytest.mark.skipif(not VNNI_FLAGS or not {"avx2", "fma", "f16c"} <= hardware.cpu_flags(),
+@pytest.mark.skipif(not has_vnni_kernels(hardware.cpu_flags()),
                     reason="this CPU has no AVX512-VNNI or AVX-VNNI (vpdpbusd): only the AVX2 dot products run here")
 def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model):
     """vpdpbusd sums the same integer products as AVX2's maddubs + madd: every output the same bits, at every
     row count of the tiles (1 to 9 rows), for both block formats."""
     vnni = load_q4_kernels(str(tmp_path / "vnni"), helpers=1)
-    monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, "avx512f,avx512_vnni,avx_vnni")
-    hardware.cpu_flags.cache_clear()
-    try:
-        avx2 = load_q4_kernels(str(tmp_path / "avx2"), helpers=1)
-    finally:
-        monkeypatch.delenv(hardware.CAPABILITY_MASK_ENV)
-        hardware.cpu_flags.cache_clear()
+    avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni")
     assert vnni.uses_vnni and "VNNI" in vnni.name and avx2.uses_avx2 and not avx2.uses_vnni
     _, weights = gguf_model
     for rows in (1, 3, 8, 9):
