@@ -280,9 +280,12 @@ class Report:
     elapsed_s: float
     command: str = "python -m bench compare"
 
+    def __post_init__(self):
+        self.elapsed_s = round(self.elapsed_s, 1)  # as compare.json keeps it: the section renders alike from both
+
     def as_dict(self) -> dict:
         return {"command": self.command, "plan": asdict(self.plan), "machine": self.machine,
-                "elapsed_s": round(self.elapsed_s, 1),
+                "elapsed_s": self.elapsed_s,
                 "configs": [{"name": r.config.name, "config": asdict(r.config), "skipped": r.skipped,
                              "ready_s": r.ready_s, "load_average": r.load_average, "points": r.records,
                              "probe": r.probe.as_dict() if r.probe else None}

@@ -26,6 +26,7 @@ other activations or norms, no rotary module) keep the model's forward too.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
+# Up to this many rows (a decode step's) a fused weight's matmul is used where it was probed to give its parts'
+# numbers; prompt chunks compute each part apart: on AMX, oneDNN blocks a 960-column bfloat16 matmul of ~200+
+# rows otherwise than its 576- and 192-column parts (measured), and the model's forward computes the parts.
+FUSED_MAX_ROWS = 64
 
 
 class Linear:
@@ -47,19 +52,29 @@ class Linear:
     (bf16.py), else oneDNN with the weight reordered once into its blocked layout where that computes the plain
     matmul's numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call. The reordered
     copy is checked bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain
-    one is used."""
+    one is used. `parts`: the row counts of the projections fused into `weight`, which oneDNN computes apart for
+    more than FUSED_MAX_ROWS rows, or for any rows where the fused matmul was probed to differ from them."""
 
-    def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None):
+    def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None, parts: tuple[int, ...] = ()):
         self.weight = weight
         self.kernels = kernels if kernels is not None and kernels.supports(weight) else None
+        self.parts: list[torch.Tensor] = []
         if self.kernels is not None:
             self.packed = self.kernels.pack(weight)
-        else:
-            self.packed = _packed(weight) if _can_pack(weight) else None
+            return
+        self.packed = _packed(weight) if _can_pack(weight) else None
+        if len(parts) > 1:
+            self.parts = list(weight.split(list(parts)))
+            self.fused_max_rows = FUSED_MAX_ROWS if _fusing_keeps_numbers(self, self.parts) else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.linear(x, self.packed)
+        if self.parts and x.reshape(-1, x.shape[-1]).shape[0] > self.fused_max_rows:
+            return torch.cat([torch.nn.functional.linear(x, part) for part in self.parts], dim=-1)
+        return self._fused(x)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return torch.nn.functional.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -288,11 +303,13 @@ class RotaryTable:
 
 def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
+    qkv_parts = tuple(projection.weight.shape[0] for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
     qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
+    gate_up_parts = (mlp.gate_proj.weight.shape[0], mlp.up_proj.weight.shape[0])
     gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
-    return _Layer(_norm(layer.input_layernorm, kernels), Linear(qkv, kernels),
+    return _Layer(_norm(layer.input_layernorm, kernels), Linear(qkv, kernels, qkv_parts),
                   Linear(attention.o_proj.weight, kernels), _norm(layer.post_attention_layernorm, kernels),
-                  Linear(gate_up, kernels), Linear(mlp.down_proj.weight, kernels))
+                  Linear(gate_up, kernels, gate_up_parts), Linear(mlp.down_proj.weight, kernels))
 
 
 def _norm(module: nn.Module, kernels: Bf16Kernels | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -340,6 +357,25 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
                        tuple(weight.shape))
         return None
     return packed
+
+
+@lru_cache(maxsize=None)
+def _fusion_probe(in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(FUSED_MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+@torch.no_grad()
+def _fusing_keeps_numbers(linear: Linear, parts: list[torch.Tensor]) -> bool:
+    """Whether the fused matmul gives its parts' numbers, each computed alone as the model's forward does, at 1, 2,
+    3, 33 and FUSED_MAX_ROWS rows."""
+    probe = _fusion_probe(linear.weight.shape[1], linear.weight.dtype)
+    for rows in (1, 2, 3, PROBE_ROWS, FUSED_MAX_ROWS):
+        apart = torch.cat([torch.nn.functional.linear(probe[:rows], part) for part in parts], dim=-1)
+        if not torch.equal(linear._fused(probe[:rows]), apart):
+            logger.info("a fused %s weight differs from its parts on oneDNN; its parts are computed apart",
+                        tuple(linear.weight.shape))
+            return False
+    return True
 
 
 def _fuse(*projections: nn.Linear) -> torch.Tensor:
