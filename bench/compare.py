@@ -65,7 +65,8 @@ CONFIGS = {
                                             "vLLM backend, `ignore_eos` in the body"),
     "llama-server": ServerConfig("llama-server", "llama-server", is_peer=True, in_length_sweep=True,
                                  description="llama.cpp's native server (`make llama-server`) on the embedded Q4_1 "
-                                             "GGUF, `-t <cores> -np 16 -c 32768`, `ignore_eos` in the body"),
+                                             "GGUF, `-t <cores> -np 16 -c 32768` (and `-nr` on a CPU with AMX-INT8: "
+                                             "bench/peers.py), `ignore_eos` in the body"),
     "llama-server-bf16": ServerConfig("llama-server bf16", "llama-server", is_peer=True, gguf="bf16",
                                       description="the same on a bfloat16 GGUF of the prepared model "
                                                   "(convert_hf_to_gguf.py --outtype bf16)"),

@@ -303,10 +303,11 @@ class RotaryTable:
 
 def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
-    qkv_parts = tuple(projection.weight.shape[0] for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
-    qkv = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
-    gate_up_parts = (mlp.gate_proj.weight.shape[0], mlp.up_proj.weight.shape[0])
-    gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+    qkv_projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    gate_up_projections = (mlp.gate_proj, mlp.up_proj)
+    qkv_parts = tuple(projection.weight.shape[0] for projection in qkv_projections)
+    gate_up_parts = tuple(projection.weight.shape[0] for projection in gate_up_projections)
+    qkv, gate_up = _fuse(*qkv_projections), _fuse(*gate_up_projections)
     return _Layer(_norm(layer.input_layernorm, kernels), Linear(qkv, kernels, qkv_parts),
                   Linear(attention.o_proj.weight, kernels), _norm(layer.post_attention_layernorm, kernels),
                   Linear(gate_up, kernels, gate_up_parts), Linear(mlp.down_proj.weight, kernels))
@@ -360,15 +361,15 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 @lru_cache(maxsize=None)
-def _fusion_probe(in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(FUSED_MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+def _fusion_probe(in_features: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(FUSED_MAX_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(device, dtype)
 
 
 @torch.no_grad()
 def _fusing_keeps_numbers(linear: Linear, parts: list[torch.Tensor]) -> bool:
     """Whether the fused matmul gives its parts' numbers, each computed alone as the model's forward does, at 1, 2,
     3, 33 and FUSED_MAX_ROWS rows."""
-    probe = _fusion_probe(linear.weight.shape[1], linear.weight.dtype)
+    probe = _fusion_probe(linear.weight.shape[1], linear.weight.dtype, linear.weight.device)
     for rows in (1, 2, 3, PROBE_ROWS, FUSED_MAX_ROWS):
         apart = torch.cat([torch.nn.functional.linear(probe[:rows], part) for part in parts], dim=-1)
         if not torch.equal(linear._fused(probe[:rows]), apart):
