@@ -52,27 +52,31 @@ class Linear:
     (bf16.py), else oneDNN with the weight reordered once into its blocked layout where that computes the plain
     matmul's numbers (bfloat16 on CPU): oneDNN then skips reading the plain layout on every call. The reordered
     copy is checked bit for bit against the plain matmul when made; if it differs, or the op is missing, the plain
-    one is used. `parts`: the row counts of the projections fused into `weight`, which oneDNN computes apart for
-    more than FUSED_MAX_ROWS rows, or for any rows where the fused matmul was probed to differ from them."""
+    one is used. `parts`: the weights of the projections fused into `weight` (views of it), which oneDNN computes
+    apart for more than FUSED_MAX_ROWS rows, or for any rows where the fused matmul was probed to differ from them."""
 
-    def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None, parts: tuple[int, ...] = ()):
+    def __init__(self, weight: torch.Tensor, kernels: Bf16Kernels | None = None, parts: tuple[torch.Tensor, ...] = ()):
         self.weight = weight
         self.kernels = kernels if kernels is not None and kernels.supports(weight) else None
-        self.parts: list[torch.Tensor] = []
+        self.parts, self.fused_max_rows = (), FUSED_MAX_ROWS
         if self.kernels is not None:
             self.packed = self.kernels.pack(weight)
             return
         self.packed = _packed(weight) if _can_pack(weight) else None
         if len(parts) > 1:
-            self.parts = list(weight.split(list(parts)))
-            self.fused_max_rows = FUSED_MAX_ROWS if _fusing_keeps_numbers(self, self.parts) else 0
+            self.parts = parts
+            self.fused_max_rows = FUSED_MAX_ROWS if _fusing_keeps_numbers(self) else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.linear(x, self.packed)
         if self.parts and x.reshape(-1, x.shape[-1]).shape[0] > self.fused_max_rows:
-            return torch.cat([torch.nn.functional.linear(x, part) for part in self.parts], dim=-1)
+            return self._apart(x)
         return self._fused(x)
+
+    def _apart(self, x: torch.Tensor) -> torch.Tensor:
+        """Each part's matmul alone, as the model's forward computes them."""
+        return torch.cat([torch.nn.functional.linear(x, part) for part in self.parts], dim=-1)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -305,12 +309,12 @@ def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     qkv_projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     gate_up_projections = (mlp.gate_proj, mlp.up_proj)
-    qkv_parts = tuple(projection.weight.shape[0] for projection in qkv_projections)
-    gate_up_parts = tuple(projection.weight.shape[0] for projection in gate_up_projections)
-    qkv, gate_up = _fuse(*qkv_projections), _fuse(*gate_up_projections)
-    return _Layer(_norm(layer.input_layernorm, kernels), Linear(qkv, kernels, qkv_parts),
+    qkv, gate_up = _fuse(*qkv_projections), _fuse(*gate_up_projections)  # the projections' weights: views of them
+    return _Layer(_norm(layer.input_layernorm, kernels),
+                  Linear(qkv, kernels, tuple(projection.weight for projection in qkv_projections)),
                   Linear(attention.o_proj.weight, kernels), _norm(layer.post_attention_layernorm, kernels),
-                  Linear(gate_up, kernels, gate_up_parts), Linear(mlp.down_proj.weight, kernels))
+                  Linear(gate_up, kernels, tuple(projection.weight for projection in gate_up_projections)),
+                  Linear(mlp.down_proj.weight, kernels))
 
 
 def _norm(module: nn.Module, kernels: Bf16Kernels | None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -366,13 +370,12 @@ def _fusion_probe(in_features: int, dtype: torch.dtype, device: torch.device) ->
 
 
 @torch.no_grad()
-def _fusing_keeps_numbers(linear: Linear, parts: list[torch.Tensor]) -> bool:
+def _fusing_keeps_numbers(linear: Linear) -> bool:
     """Whether the fused matmul gives its parts' numbers, each computed alone as the model's forward does, at 1, 2,
     3, 33 and FUSED_MAX_ROWS rows."""
     probe = _fusion_probe(linear.weight.shape[1], linear.weight.dtype, linear.weight.device)
     for rows in (1, 2, 3, PROBE_ROWS, FUSED_MAX_ROWS):
-        apart = torch.cat([torch.nn.functional.linear(probe[:rows], part) for part in parts], dim=-1)
-        if not torch.equal(linear._fused(probe[:rows]), apart):
+        if not torch.equal(linear._fused(probe[:rows]), linear._apart(probe[:rows])):
             logger.info("a fused %s weight differs from its parts on oneDNN; its parts are computed apart",
                         tuple(linear.weight.shape))
             return False
