@@ -35,20 +35,23 @@ class Host:
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 `flags`, ARM `Features`), less any named in LOCKSTEP_CPU_FLAGS_MASK."""
-    flags: set[str] = set()
+def machine_cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, ARM `Features`) as /proc/cpuinfo lists them, whatever the mask hides."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 key = line.split(":", 1)[0].strip()
                 if key in ("flags", "Features"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags lockstep chooses its compute by: the CPU's, less any named in LOCKSTEP_CPU_FLAGS_MASK."""
     masked = {flag.strip() for flag in os.environ.get(CAPABILITY_MASK_ENV, "").split(",") if flag.strip()}
-    return frozenset(flags - masked)
+    return machine_cpu_flags() - masked
 
 
 def detect_host() -> Host:

@@ -62,6 +62,7 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     has_vnni = has_vnni_kernels(host.flags)
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
     assert backend.fast_decoder.q4.uses_vnni == has_vnni
+    assert backend.fast_decoder.q4.uses_avx512 == has_avx512_kernels(host.flags)
     assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "portable C") in info.compute
     assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     assert not backend.fast_decoder.q4.exact and "8-bit activations" in info.compute
@@ -185,15 +186,18 @@ def has_vnni_kernels(flags) -> bool:
                                                   or "avx_vnni" in flags)
 
 
+def has_avx512_kernels(flags) -> bool:
+    """Whether q4_kernels.c builds its 16-column AVX-512 tiles for a CPU with these flags (its LOCKSTEP_AVX512)."""
+    return {"avx2", "fma", "f16c", "avx512f", "avx512bw"} <= flags
+
+
 def kernels_with_flags_hidden(monkeypatch, folder, hidden: str, exact: bool = False):
     """The kernels as a host without the `hidden` flags (comma-separated) builds them, and that host's flags."""
     monkeypatch.setenv(hardware.CAPABILITY_MASK_ENV, hidden)
-    hardware.cpu_flags.cache_clear()
     try:
         return load_q4_kernels(str(folder), helpers=1, exact=exact), hardware.detect_host().flags
     finally:
         monkeypatch.delenv(hardware.CAPABILITY_MASK_ENV)
-        hardware.cpu_flags.cache_clear()
 
 
 @pytest.mark.parametrize("activations", ACTIVATIONS)
@@ -223,6 +227,26 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         for weight in (weights.layers[0].gate_up, weights.lm_head):
             assert torch.equal(vnni.linear(x, vnni.interleaved(weight)), avx2.linear(x, avx2.interleaved(weight)))
+
+
+@pytest.mark.skipif(not has_avx512_kernels(hardware.cpu_flags()),
+                    reason="this CPU has no AVX-512 (avx512f, avx512bw): only the 8-column AVX2 tiles run here")
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
+    """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
+    at each tile's row counts (1, 2: from the blocks; 3 to 6 and past: from a panel), both block formats, and a
+    weight whose last 8 columns fall to the 8-column tile."""
+    exact = ACTIVATIONS[activations]
+    wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
+    avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)
+    assert wide.uses_avx512 and "AVX-512" in wide.name and avx2.uses_avx2 and not avx2.uses_avx512
+    _, weights = gguf_model
+    lm_head = weights.lm_head
+    odd = QuantizedWeight(lm_head.blocks[:584].clone(), lm_head.format, 584, lm_head.in_features)  # 36 x 16 + 8
+    for rows in (1, 2, 3, 7, 9, 16):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        for weight in (weights.layers[0].gate_up, weights.layers[0].qkv, lm_head, odd):
+            assert torch.equal(wide.linear(x, wide.interleaved(weight)), avx2.linear(x, avx2.interleaved(weight)))
 
 
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):

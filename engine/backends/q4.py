@@ -60,12 +60,16 @@ class Q4Kernels:
         self._interleave.restype = None
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
+        self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
 
     @property
     def name(self) -> str:
-        isa = ("AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "")) if self.uses_avx2 else "portable C"
+        isa = "portable C"
+        if self.uses_avx2:
+            isa = "AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "") + \
+                ("+AVX-512" if self.uses_avx512 else "")
         return f"lockstep's 4-bit kernels ({isa}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
                f"{', blocks interleaved by 8 rows' if self.interleaves else ''})"

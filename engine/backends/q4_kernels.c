@@ -55,6 +55,15 @@
 #define LOCKSTEP_VNNI 0
 #endif
 
+/* AVX-512: two interleaved groups (16 columns) in one vector, each lane computed by the very operations of the
+ * 8-column AVX2 tiles, so the outputs are the same bits and half the instructions (where a 512-bit FMA is one
+ * instruction, not two 256-bit halves: Intel's AVX-512 cores; Zen 4 splits them). */
+#if LOCKSTEP_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LOCKSTEP_AVX512 1
+#else
+#define LOCKSTEP_AVX512 0
+#endif
+
 #define BLOCK 32
 #define Q4_1_BYTES 20
 #define Q8_0_BYTES 34
@@ -68,6 +77,7 @@ enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3 
 
 int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
 int lockstep_q4_uses_vnni(void) { return LOCKSTEP_VNNI; }
+int lockstep_q4_uses_avx512(void) { return LOCKSTEP_AVX512; }
 
 static inline float half_to_float(uint16_t h) {
 #if LOCKSTEP_AVX2
@@ -394,6 +404,98 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
     for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out + r * n, acc[r]);
 }
 
+#if LOCKSTEP_AVX512
+/* 32 bytes at `first` (group g) and at `second` (group g + 1) as one vector: 16 columns' bytes. */
+static inline __m512i two_groups(const uint8_t *first, const uint8_t *second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)first)),
+                              _mm256_loadu_si256((const __m256i *)second), 1);
+}
+
+/* 8 fp16 at `first` and 8 at `second` as 16 floats (two groups' scales or minimums). */
+static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)first)),
+                                                   _mm_loadu_si128((const __m128i *)second), 1));
+}
+
+/* x8_tile on two adjacent groups (16 columns) at once: per lane the same integer dot product and the same float
+ * operations in the same order, so each output is x8_tile's bits. */
+static inline __attribute__((always_inline)) void x8_tile16(const struct quantized_x *x, int64_t row,
+                                                            const uint8_t *group, int64_t group_bytes, float *out,
+                                                            int64_t n, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[4], minimum[4];
+    for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *g = group + b * X8_GROUP_BYTES, *h = g + group_bytes;
+        __m512 d = two_groups_half(g, h), m = two_groups_half(g + 16, h + 16);
+        __m512i dots[4];
+        for (int i = 0; i < 4; i++) {
+            __m512i packed = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
+            __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t first, second; /* activations 4i..4i+3 and 16+4i..16+4i+3 of this block */
+                memcpy(&first, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
+                memcpy(&second, x->q + (row + r) * x->k + b * BLOCK + 16 + 4 * i, 4);
+#if defined(__AVX512VNNI__)
+                __m512i sums = _mm512_dpbusd_epi32(i ? dots[r] : _mm512_setzero_si512(), low, _mm512_set1_epi32(first));
+                dots[r] = _mm512_dpbusd_epi32(sums, high, _mm512_set1_epi32(second));
+#else
+                __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(low, _mm512_set1_epi32(first)),
+                                                 _mm512_maddubs_epi16(high, _mm512_set1_epi32(second)));
+                dots[r] = i ? _mm512_add_epi16(dots[r], pairs) : pairs;
+#endif
+            }
+        }
+        for (int r = 0; r < ROWS; r++) {
+#if defined(__AVX512VNNI__)
+            __m512 dot = _mm512_cvtepi32_ps(dots[r]);
+#else
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(dots[r], _mm512_set1_epi16(1)));
+#endif
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x->scale[(row + r) * blocks + b])), acc[r]);
+            minimum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, _mm512_add_ps(acc[r], minimum[r]));
+}
+
+/* q8_x8_tile on two adjacent groups (16 columns) at once, lane by lane its operations: its bits. */
+static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quantized_x *x, int64_t row,
+                                                               const uint8_t *group, int64_t group_bytes, float *out,
+                                                               int64_t n, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    __m512 acc[4];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *g = group + b * Q8_X8_GROUP_BYTES, *h = g + group_bytes;
+        __m512 d = two_groups_half(g, h);
+        __m512i dots[4];
+        for (int i = 0; i < 8; i++) {
+            __m512i w = two_groups(g + 16 + 32 * i, h + 16 + 32 * i);
+            __mmask64 negative = _mm512_movepi8_mask(w);
+            __m512i magnitude = _mm512_abs_epi8(w);
+            for (int r = 0; r < ROWS; r++) {
+                int32_t four; /* activations 4i..4i+3 of this block, given w's sign (zero where w is) */
+                memcpy(&four, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
+                __m512i xs = _mm512_set1_epi32(four);
+                xs = _mm512_mask_sub_epi8(xs, negative, _mm512_setzero_si512(), xs);
+#if defined(__AVX512VNNI__)
+                dots[r] = _mm512_dpbusd_epi32(i ? dots[r] : _mm512_setzero_si512(), magnitude, xs);
+#else
+                __m512i sums = _mm512_madd_epi16(_mm512_maddubs_epi16(magnitude, xs), _mm512_set1_epi16(1));
+                dots[r] = i ? _mm512_add_epi32(dots[r], sums) : sums;
+#endif
+            }
+        }
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(x->scale[(row + r) * blocks + b])), acc[r]);
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+#endif
+
 #define EXACT_PANEL_ROWS 3 /* from this many rows on, a call dequantizes its columns once into a panel */
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
@@ -494,6 +596,132 @@ static inline __attribute__((always_inline)) void exact_row_tile(const struct qu
     for (int g = 0; g < GROUPS; g++) _mm256_storeu_ps(out + 8 * g, acc[g]);
 }
 
+#if LOCKSTEP_AVX512
+/* One block of two adjacent groups (16 columns) as x8_weights reads it: d, m (zero for Q8_0) and the packed
+ * vectors (Q4_1: 4, Q8_0: 8), each lane the column's bytes of x8_weights' vector. */
+static inline __attribute__((always_inline)) void x16_block(const uint8_t *g, const uint8_t *h, __m512i packed[8],
+                                                            __m512 *d, __m512 *m, const int FORMAT) {
+    *d = two_groups_half(g, h);
+    if (FORMAT == FORMAT_Q4_1_X8) {
+        *m = two_groups_half(g + 16, h + 16);
+        UNROLLED
+        for (int i = 0; i < 4; i++) packed[i] = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
+    } else {
+        *m = _mm512_setzero_ps();
+        UNROLLED
+        for (int i = 0; i < 8; i++) packed[i] = two_groups(g + 16 + 32 * i, h + 16 + 32 * i);
+    }
+}
+
+/* Position p's weights of those 16 columns: x8_weights' operations lane by lane (d * q + m in one FMA for Q4_1,
+ * d * q for Q8_0), so the same floats. */
+static inline __attribute__((always_inline)) __m512 x16_weights(const __m512i packed[8], int position, __m512 d,
+                                                                __m512 m, const int FORMAT) {
+    if (FORMAT == FORMAT_Q4_1_X8) {
+        __m512i q = _mm512_and_si512(_mm512_srli_epi32(packed[position % 16 / 4], 8 * (position % 4) + 4 * (position / 16)),
+                                     _mm512_set1_epi32(0x0F));
+        return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+    }
+    __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(packed[position / 4], 24 - 8 * (position % 4)), 24);
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+}
+
+/* ROWS rows (1 or 2: below a panel's EXACT_PANEL_ROWS) x PAIRS pairs of groups (16 or 32 columns) straight from
+ * the blocks, positions fully unrolled: per output the same weights and the same chain of FMAs over K in order as
+ * exact_row_tile, so its bits; two rows share each position's weights. */
+static inline __attribute__((always_inline)) void exact_row_tile16(const struct quantized_x *x, int64_t row,
+                                                                   const uint8_t *group, int64_t group_bytes,
+                                                                   float *out, int64_t n, const int FORMAT,
+                                                                   const int ROWS, const int PAIRS) {
+    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    __m512 acc[2][2];
+    UNROLLED
+    for (int r = 0; r < ROWS; r++)
+        UNROLLED
+        for (int p = 0; p < PAIRS; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x->k / BLOCK; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK;
+        __m512i packed[2][8];
+        __m512 d[2], m[2];
+        UNROLLED
+        for (int p = 0; p < PAIRS; p++) {
+            const uint8_t *g = group + 2 * p * group_bytes + b * bytes;
+            x16_block(g, g + group_bytes, packed[p], &d[p], &m[p], FORMAT);
+        }
+        UNROLLED
+        for (int position = 0; position < BLOCK; position++)
+            UNROLLED
+            for (int p = 0; p < PAIRS; p++) {
+                __m512 w = x16_weights(packed[p], position, d[p], m[p], FORMAT);
+                UNROLLED
+                for (int r = 0; r < ROWS; r++)
+                    acc[r][p] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[r * x->k + position]), acc[r][p]);
+            }
+    }
+    UNROLLED
+    for (int r = 0; r < ROWS; r++)
+        UNROLLED
+        for (int p = 0; p < PAIRS; p++) _mm512_storeu_ps(out + r * n + 16 * p, acc[r][p]);
+}
+
+/* dequantize_panel of two groups: the same floats in the same [K][2][8] layout. */
+static inline __attribute__((always_inline)) void dequantize_panel16(const uint8_t *group, int64_t group_bytes,
+                                                                     int64_t k, float *panel, const int FORMAT) {
+    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m512i packed[8];
+        __m512 d, m;
+        x16_block(group + b * bytes, group + group_bytes + b * bytes, packed, &d, &m, FORMAT);
+        UNROLLED
+        for (int position = 0; position < BLOCK; position++)
+            _mm512_store_ps(panel + (b * BLOCK + position) * 16, x16_weights(packed, position, d, m, FORMAT));
+    }
+}
+
+/* exact_panel_tile over a two-group panel: one 16-lane accumulator per row, the same chain per output. */
+static inline __attribute__((always_inline)) void exact_panel_tile16(const struct quantized_x *x, int64_t row,
+                                                                     const float *panel, float *out, int64_t n,
+                                                                     const int ROWS) {
+    __m512 acc[EXACT_ROW_TILE];
+    UNROLLED
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x->k / BLOCK; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * 16;
+        _Pragma("GCC unroll 4")
+        for (int position = 0; position < BLOCK; position++) {
+            __m512 w = _mm512_load_ps(ws + position * 16);
+            UNROLLED
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[r * x->k + position]), acc[r]);
+        }
+    }
+    UNROLLED
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, acc[r]);
+}
+
+typedef void (*rows16_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
+#define ROW_TILE16_FN(F, R, P)                                                                                      \
+    static void row_tile16_##F##_##R##_##P(const struct quantized_x *x, int64_t row, const uint8_t *group,         \
+                                           int64_t group_bytes, float *out, int64_t n) {                            \
+        exact_row_tile16(x, row, group, group_bytes, out, n, F, R, P);                                              \
+    }
+ROW_TILE16_FN(FORMAT_Q4_1_X8, 1, 1) ROW_TILE16_FN(FORMAT_Q4_1_X8, 1, 2)
+ROW_TILE16_FN(FORMAT_Q4_1_X8, 2, 1) ROW_TILE16_FN(FORMAT_Q4_1_X8, 2, 2)
+ROW_TILE16_FN(FORMAT_Q8_0_X8, 1, 1) ROW_TILE16_FN(FORMAT_Q8_0_X8, 1, 2)
+ROW_TILE16_FN(FORMAT_Q8_0_X8, 2, 1) ROW_TILE16_FN(FORMAT_Q8_0_X8, 2, 2)
+/* By format, rows (1, 2) and pairs of groups (1, 2). */
+static const rows16_fn ROW_TILES16[2][3][3] = {
+    {{0}, {0, row_tile16_FORMAT_Q4_1_X8_1_1, row_tile16_FORMAT_Q4_1_X8_1_2},
+     {0, row_tile16_FORMAT_Q4_1_X8_2_1, row_tile16_FORMAT_Q4_1_X8_2_2}},
+    {{0}, {0, row_tile16_FORMAT_Q8_0_X8_1_1, row_tile16_FORMAT_Q8_0_X8_1_2},
+     {0, row_tile16_FORMAT_Q8_0_X8_2_1, row_tile16_FORMAT_Q8_0_X8_2_2}}};
+#define PANEL_TILE16(R)                                                                                             \
+    static void panel_tile16_##R(const struct quantized_x *x, int64_t row, const float *panel, float *out,          \
+                                 int64_t n) {                                                                       \
+        exact_panel_tile16(x, row, panel, out, n, R);                                                               \
+    }
+PANEL_TILE16(3) PANEL_TILE16(4) PANEL_TILE16(5) PANEL_TILE16(6)
+#endif
+
 typedef void (*row_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *);
 #define ROW_TILE_FN(F, G)                                                                                           \
     static void row_tile_##F##_##G(const struct quantized_x *x, int64_t row, const uint8_t *group,                 \
@@ -518,10 +746,21 @@ PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
 static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
     {0},
     {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1},
+#if LOCKSTEP_AVX512
+    {0, 0, 0, panel_tile16_3, panel_tile16_4, panel_tile16_5, panel_tile16_6}};
+#else
     {0, 0, 0, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2}};
+#endif
 
 static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
                               int groups) {
+#if LOCKSTEP_AVX512
+    if (groups == 2) {
+        if (format == FORMAT_Q4_1_X8) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8);
+        else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8);
+        return;
+    }
+#endif
     if (format == FORMAT_Q4_1_X8) {
         if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
         else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
@@ -551,6 +790,21 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
                              float *out, int64_t n, int64_t first, int64_t last) {
     float *panel = x->m < EXACT_PANEL_ROWS ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
     if (!panel) {
+#if LOCKSTEP_AVX512
+        for (int64_t r = 0, rows; r < x->m; r += rows) {
+            rows = x->m - r >= 2 ? 2 : 1;
+            int64_t c = first;
+            for (int pairs; last - c >= 16; c += 16 * pairs) {
+                pairs = last - c >= 32 ? 2 : 1;
+                ROW_TILES16[format == FORMAT_Q8_0_X8][rows][pairs](x, r, weight + c / 8 * group_bytes, group_bytes,
+                                                                   out + r * n + c, n);
+            }
+            for (int64_t row = r; c < last && row < r + rows; row++) /* the last 8 columns */
+                ROW_TILES[format == FORMAT_Q8_0_X8][1](x, row, weight + c / 8 * group_bytes, group_bytes,
+                                                       out + row * n + c);
+        }
+        return;
+#endif
         for (int64_t r = 0; r < x->m; r++)
             for (int64_t c = first; c < last;) {
                 int groups = 4;
@@ -594,6 +848,14 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
         int64_t rows = x->m - r < 4 ? x->m - r : 4;
         for (int64_t c = first; c < last; c += 8) {
             const uint8_t *group = weight + c / 8 * group_bytes;
+#if LOCKSTEP_AVX512
+            if (last - c >= 16) {
+                if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
+                else X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
+                c += 8;
+                continue;
+            }
+#endif
             if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n);
             else X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
         }
