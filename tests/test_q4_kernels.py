@@ -234,7 +234,7 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
-    at each tile's row counts (1, 2: from the blocks; 3 to 6 and past: from a panel), both block formats, and a
+    at each tile's row counts (1 to 8: from the blocks, 4 rows a tile; 9 and past: from a panel), both block formats, and a
     weight whose last 8 columns fall to the 8-column tile."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
@@ -243,7 +243,7 @@ def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, 
     _, weights = gguf_model
     lm_head = weights.lm_head
     odd = QuantizedWeight(lm_head.blocks[:584].clone(), lm_head.format, 584, lm_head.in_features)  # 36 x 16 + 8
-    for rows in (1, 2, 3, 7, 9, 16):
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         for weight in (weights.layers[0].gate_up, weights.layers[0].qkv, lm_head, odd):
             assert torch.equal(wide.linear(x, wide.interleaved(weight)), avx2.linear(x, avx2.interleaved(weight)))

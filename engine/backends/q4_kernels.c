@@ -497,6 +497,9 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
 #endif
 
 #define EXACT_PANEL_ROWS 3 /* from this many rows on, a call dequantizes its columns once into a panel */
+/* On AVX-512 from this many: its 4-row tiles straight from the blocks were as fast as a panel up to 8 rows and
+ * faster where the panel outgrows L1 (K = 1,536: 98 KB), slower from 16 rows where it fits (K = 576). */
+#define EXACT_PANEL_ROWS_AVX512 9
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
 /* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
@@ -626,15 +629,15 @@ static inline __attribute__((always_inline)) __m512 x16_weights(const __m512i pa
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
 }
 
-/* ROWS rows (1 or 2: below a panel's EXACT_PANEL_ROWS) x PAIRS pairs of groups (16 or 32 columns) straight from
- * the blocks, positions fully unrolled: per output the same weights and the same chain of FMAs over K in order as
- * exact_row_tile, so its bits; two rows share each position's weights. */
+/* ROWS rows (1 to 4) x PAIRS pairs of groups (16 or 32 columns) straight from the blocks, positions fully
+ * unrolled: per output the same weights and the same chain of FMAs over K in order as exact_row_tile, so its
+ * bits; the rows share each position's weights. */
 static inline __attribute__((always_inline)) void exact_row_tile16(const struct quantized_x *x, int64_t row,
                                                                    const uint8_t *group, int64_t group_bytes,
                                                                    float *out, int64_t n, const int FORMAT,
                                                                    const int ROWS, const int PAIRS) {
     const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    __m512 acc[2][2];
+    __m512 acc[4][2];
     UNROLLED
     for (int r = 0; r < ROWS; r++)
         UNROLLED
@@ -704,16 +707,16 @@ typedef void (*rows16_fn)(const struct quantized_x *, int64_t, const uint8_t *, 
                                            int64_t group_bytes, float *out, int64_t n) {                            \
         exact_row_tile16(x, row, group, group_bytes, out, n, F, R, P);                                              \
     }
-ROW_TILE16_FN(FORMAT_Q4_1_X8, 1, 1) ROW_TILE16_FN(FORMAT_Q4_1_X8, 1, 2)
-ROW_TILE16_FN(FORMAT_Q4_1_X8, 2, 1) ROW_TILE16_FN(FORMAT_Q4_1_X8, 2, 2)
-ROW_TILE16_FN(FORMAT_Q8_0_X8, 1, 1) ROW_TILE16_FN(FORMAT_Q8_0_X8, 1, 2)
-ROW_TILE16_FN(FORMAT_Q8_0_X8, 2, 1) ROW_TILE16_FN(FORMAT_Q8_0_X8, 2, 2)
-/* By format, rows (1, 2) and pairs of groups (1, 2). */
-static const rows16_fn ROW_TILES16[2][3][3] = {
-    {{0}, {0, row_tile16_FORMAT_Q4_1_X8_1_1, row_tile16_FORMAT_Q4_1_X8_1_2},
-     {0, row_tile16_FORMAT_Q4_1_X8_2_1, row_tile16_FORMAT_Q4_1_X8_2_2}},
-    {{0}, {0, row_tile16_FORMAT_Q8_0_X8_1_1, row_tile16_FORMAT_Q8_0_X8_1_2},
-     {0, row_tile16_FORMAT_Q8_0_X8_2_1, row_tile16_FORMAT_Q8_0_X8_2_2}}};
+#define ROW_TILES16_FN(F) ROW_TILE16_FN(F, 1, 1) ROW_TILE16_FN(F, 1, 2) ROW_TILE16_FN(F, 2, 1) ROW_TILE16_FN(F, 2, 2) \
+    ROW_TILE16_FN(F, 3, 1) ROW_TILE16_FN(F, 3, 2) ROW_TILE16_FN(F, 4, 1) ROW_TILE16_FN(F, 4, 2)
+ROW_TILES16_FN(FORMAT_Q4_1_X8) ROW_TILES16_FN(FORMAT_Q8_0_X8)
+#define ROW_TILES16_OF(F)                                                                                           \
+    {{0}, {0, row_tile16_##F##_1_1, row_tile16_##F##_1_2}, {0, row_tile16_##F##_2_1, row_tile16_##F##_2_2},         \
+     {0, row_tile16_##F##_3_1, row_tile16_##F##_3_2}, {0, row_tile16_##F##_4_1, row_tile16_##F##_4_2}}
+/* By format, rows (1 to EXACT_ROWS16) and pairs of groups (1, 2). */
+#define EXACT_ROWS16 4
+static const rows16_fn ROW_TILES16[2][EXACT_ROWS16 + 1][3] = {ROW_TILES16_OF(FORMAT_Q4_1_X8),
+                                                               ROW_TILES16_OF(FORMAT_Q8_0_X8)};
 #define PANEL_TILE16(R)                                                                                             \
     static void panel_tile16_##R(const struct quantized_x *x, int64_t row, const float *panel, float *out,          \
                                  int64_t n) {                                                                       \
@@ -788,11 +791,11 @@ static float *thread_panel(int64_t bytes) {
  * from the blocks, with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
-    float *panel = x->m < EXACT_PANEL_ROWS ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
+    float *panel = x->m < (LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS) ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
     if (!panel) {
 #if LOCKSTEP_AVX512
         for (int64_t r = 0, rows; r < x->m; r += rows) {
-            rows = x->m - r >= 2 ? 2 : 1;
+            rows = x->m - r >= EXACT_ROWS16 ? EXACT_ROWS16 : x->m - r;
             int64_t c = first;
             for (int pairs; last - c >= 16; c += 16 * pairs) {
                 pairs = last - c >= 32 ? 2 : 1;
