@@ -234,8 +234,8 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
-    at each tile's row counts (1 to 8: from the blocks, 4 rows a tile; 9 and past: from a panel), both block formats, and a
-    weight whose last 8 columns fall to the 8-column tile."""
+    at each tile's row counts (1 to 8: from the blocks, 4 rows a tile; 9 and past: from a panel), both block
+    formats, and a weight whose last 8 columns fall to the 8-column tile."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
     avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)

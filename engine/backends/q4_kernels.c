@@ -1,8 +1,8 @@
 /* lockstep's kernels for the embedded model's own 4-bit weights: a matmul that reads GGUF's Q4_1 and Q8_0 blocks as
  * they are (so a decode step streams ~96 MB instead of 270 MB of bfloat16 or 540 MB of float32), and a whole decode
  * step of a Llama-shaped model in one call over a float32 slot KV cache. Built by engine/backends/q4.py with
- * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them, plain C (which the compiler vectorizes for
- * NEON or whatever the host has) elsewhere. q4.py checks them against float64 before the engine uses them.
+ * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them (and 16-column AVX-512 tiles with the same
+ * bits where it has AVX-512), plain C (which the compiler vectorizes for NEON or whatever the host has) elsewhere. q4.py checks them against float64 before the engine uses them.
  *
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
  * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
@@ -432,7 +432,8 @@ static inline __attribute__((always_inline)) void x8_tile16(const struct quantiz
         __m512i dots[4];
         for (int i = 0; i < 4; i++) {
             __m512i packed = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
-            __m512i low = _mm512_and_si512(packed, nibble), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+            __m512i low = _mm512_and_si512(packed, nibble);
+            __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
             for (int r = 0; r < ROWS; r++) {
                 int32_t first, second; /* activations 4i..4i+3 and 16+4i..16+4i+3 of this block */
                 memcpy(&first, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
@@ -621,8 +622,8 @@ static inline __attribute__((always_inline)) void x16_block(const uint8_t *g, co
 static inline __attribute__((always_inline)) __m512 x16_weights(const __m512i packed[8], int position, __m512 d,
                                                                 __m512 m, const int FORMAT) {
     if (FORMAT == FORMAT_Q4_1_X8) {
-        __m512i q = _mm512_and_si512(_mm512_srli_epi32(packed[position % 16 / 4], 8 * (position % 4) + 4 * (position / 16)),
-                                     _mm512_set1_epi32(0x0F));
+        const int shift = 8 * (position % 4) + 4 * (position / 16);
+        __m512i q = _mm512_and_si512(_mm512_srli_epi32(packed[position % 16 / 4], shift), _mm512_set1_epi32(0x0F));
         return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
     }
     __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(packed[position / 4], 24 - 8 * (position % 4)), 24);
@@ -791,7 +792,8 @@ static float *thread_panel(int64_t bytes) {
  * from the blocks, with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
-    float *panel = x->m < (LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS) ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
+    const int64_t panel_rows = LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS;
+    float *panel = x->m < panel_rows ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
     if (!panel) {
 #if LOCKSTEP_AVX512
         for (int64_t r = 0, rows; r < x->m; r += rows) {
