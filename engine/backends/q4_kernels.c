@@ -587,7 +587,7 @@ static inline __attribute__((always_inline)) void exact_row_tile(const struct qu
             m[g] = FORMAT == FORMAT_Q4_1_X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
                                             : _mm256_setzero_ps();
         }
-        _Pragma("GCC unroll 4")
+        UNROLLED
         for (int position = 0; position < BLOCK; position++) {
             __m256 activation = _mm256_broadcast_ss(xs + position);
             UNROLLED
