@@ -477,7 +477,8 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
             __mmask64 negative = _mm512_movepi8_mask(w);
             __m512i magnitude = _mm512_abs_epi8(w);
             for (int r = 0; r < ROWS; r++) {
-                int32_t four; /* activations 4i..4i+3 of this block, given w's sign (zero where w is) */
+                int32_t four; /* activations 4i..4i+3 of this block, negated where w is negative (as sign_epi8;
+                               * where w is zero, |w| is) */
                 memcpy(&four, x->q + (row + r) * x->k + b * BLOCK + 4 * i, 4);
                 __m512i xs = _mm512_set1_epi32(four);
                 xs = _mm512_mask_sub_epi8(xs, negative, _mm512_setzero_si512(), xs);
@@ -787,9 +788,9 @@ static float *thread_panel(int64_t bytes) {
     return memory;
 }
 
-/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on, 16 columns at a time dequantized
- * once into a panel (L1 or L2), then every row over it in tiles; fewer rows (or no memory for a panel) straight
- * from the blocks, with the same bits. */
+/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on (EXACT_PANEL_ROWS_AVX512 on
+ * AVX-512), 16 columns at a time dequantized once into a panel (L1 or L2), then every row over it in tiles; fewer
+ * rows (or no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
     const int64_t panel_rows = LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS;
