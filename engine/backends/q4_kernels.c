@@ -417,6 +417,7 @@ static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second
                                                    _mm_loadu_si128((const __m128i *)second), 1));
 }
 
+#define X8_ROWS16 8 /* rows of an 8-bit 16-column tile: 32 registers hold 8 rows' sums and accumulators */
 /* x8_tile on two adjacent groups (16 columns) at once: per lane the same integer dot product and the same float
  * operations in the same order, so each output is x8_tile's bits. */
 static inline __attribute__((always_inline)) void x8_tile16(const struct quantized_x *x, int64_t row,
@@ -424,12 +425,12 @@ static inline __attribute__((always_inline)) void x8_tile16(const struct quantiz
                                                             int64_t n, const int ROWS) {
     const int64_t blocks = x->k / BLOCK;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512 acc[4], minimum[4];
+    __m512 acc[X8_ROWS16], minimum[X8_ROWS16];
     for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g = group + b * X8_GROUP_BYTES, *h = g + group_bytes;
         __m512 d = two_groups_half(g, h), m = two_groups_half(g + 16, h + 16);
-        __m512i dots[4];
+        __m512i dots[X8_ROWS16];
         for (int i = 0; i < 4; i++) {
             __m512i packed = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
             __m512i low = _mm512_and_si512(packed, nibble);
@@ -841,8 +842,22 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
         else FN(__VA_ARGS__, 4);                                                                                    \
     } while (0)
 
-/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time; a unit's groups stay
- * in L2. */
+#define X8_TILE8(FN, ROWS_LEFT, ...)                                                                                \
+    do {                                                                                                            \
+        switch (ROWS_LEFT) {                                                                                        \
+        case 1: FN(__VA_ARGS__, 1); break;                                                                          \
+        case 2: FN(__VA_ARGS__, 2); break;                                                                          \
+        case 3: FN(__VA_ARGS__, 3); break;                                                                          \
+        case 4: FN(__VA_ARGS__, 4); break;                                                                          \
+        case 5: FN(__VA_ARGS__, 5); break;                                                                          \
+        case 6: FN(__VA_ARGS__, 6); break;                                                                          \
+        case 7: FN(__VA_ARGS__, 7); break;                                                                          \
+        default: FN(__VA_ARGS__, 8);                                                                                \
+        }                                                                                                           \
+    } while (0)
+
+/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512: 8,
+ * which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's groups stay in L2. */
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
     const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
@@ -850,14 +865,25 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
         x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
         return;
     }
+#if LOCKSTEP_AVX512
+    if (format == FORMAT_Q4_1_X8) {
+        for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
+            int64_t rows = x->m - r < X8_ROWS16 ? x->m - r : X8_ROWS16, c = first;
+            for (; last - c >= 16; c += 16) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes,
+                                                     out + r * n + c, n);
+            for (int64_t row = r; c < last && row < r + rows; row += 4) /* the last 8 columns */
+                X8_TILE(x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n);
+        }
+        return;
+    }
+#endif
     for (int64_t r = 0; r < x->m; r += 4) {
         int64_t rows = x->m - r < 4 ? x->m - r : 4;
         for (int64_t c = first; c < last; c += 8) {
             const uint8_t *group = weight + c / 8 * group_bytes;
 #if LOCKSTEP_AVX512
             if (last - c >= 16) {
-                if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
-                else X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
+                X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
                 c += 8;
                 continue;
             }
