@@ -2,7 +2,8 @@
  * they are (so a decode step streams ~96 MB instead of 270 MB of bfloat16 or 540 MB of float32), and a whole decode
  * step of a Llama-shaped model in one call over a float32 slot KV cache. Built by engine/backends/q4.py with
  * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them (and 16-column AVX-512 tiles with the same
- * bits where it has AVX-512), plain C (which the compiler vectorizes for NEON or whatever the host has) elsewhere. q4.py checks them against float64 before the engine uses them.
+ * bits where it has AVX-512), plain C (which the compiler vectorizes for NEON or whatever the host has) elsewhere.
+ * q4.py checks them against float64 before the engine uses them.
  *
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
  * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
