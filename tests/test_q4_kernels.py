@@ -240,6 +240,8 @@ def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, 
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
     avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)
     assert wide.uses_avx512 and "AVX-512" in wide.name and avx2.uses_avx2 and not avx2.uses_avx512
+    without_bw, flags = kernels_with_flags_hidden(monkeypatch, tmp_path / "no-avx512bw", "avx512bw", exact)
+    assert not has_avx512_kernels(flags) and not without_bw.uses_avx512  # the mask hides what the tiles need
     _, weights = gguf_model
     lm_head = weights.lm_head
     odd = QuantizedWeight(lm_head.blocks[:584].clone(), lm_head.format, 584, lm_head.in_features)  # 36 x 16 + 8

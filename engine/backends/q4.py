@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("q4_kernels.c")
 # x86 instruction sets the capability mask (hardware.CAPABILITY_MASK_ENV) can take away from -march=native, so a
 # host with them builds and tests the code a lesser host runs (no AVX2: the portable C).
 MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f",
-                "avx512_vnni": "-mno-avx512vnni", "avx_vnni": "-mno-avxvnni"}
+                "avx512bw": "-mno-avx512bw", "avx512_vnni": "-mno-avx512vnni", "avx_vnni": "-mno-avxvnni"}
 LINK_FLAGS = ("-lm", "-pthread")
 BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
