@@ -234,21 +234,29 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
-    at each tile's row counts (1 to 8: from the blocks, 4 rows a tile; 9 and past: from a panel), both block
-    formats, and a weight whose last 8 columns fall to the 8-column tile."""
+    at each tile's row counts (float32: 1 to 8 from the blocks, 4 rows a tile, 9 and past from a panel; 8-bit: 8
+    rows a tile, with VNNI and without), both block formats, and a weight whose last 8 columns fall to the
+    8-column tile."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
     avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)
     assert wide.uses_avx512 and "AVX-512" in wide.name and avx2.uses_avx2 and not avx2.uses_avx512
     without_bw, flags = kernels_with_flags_hidden(monkeypatch, tmp_path / "no-avx512bw", "avx512bw", exact)
     assert not has_avx512_kernels(flags) and not without_bw.uses_avx512  # the mask hides what the tiles need
+    builds = [wide]
+    if not exact:  # AVX-512 without VNNI (as Skylake-X): the 16-column dot products by maddubs + madd
+        without_vnni, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "no-vnni", "avx512_vnni,avx_vnni")
+        assert without_vnni.uses_avx512 and not without_vnni.uses_vnni
+        builds.append(without_vnni)
     _, weights = gguf_model
     lm_head = weights.lm_head
     odd = QuantizedWeight(lm_head.blocks[:584].clone(), lm_head.format, 584, lm_head.in_features)  # 36 x 16 + 8
     for rows in (1, 2, 3, 4, 7, 8, 9, 16):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         for weight in (weights.layers[0].gate_up, weights.layers[0].qkv, lm_head, odd):
-            assert torch.equal(wide.linear(x, wide.interleaved(weight)), avx2.linear(x, avx2.interleaved(weight)))
+            expected = avx2.linear(x, avx2.interleaved(weight))
+            for build in builds:
+                assert torch.equal(build.linear(x, build.interleaved(weight)), expected)
 
 
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):
