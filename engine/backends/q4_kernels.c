@@ -748,7 +748,9 @@ typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, flo
         exact_panel_tile(x, row, panel, out, n, R, G);                                                              \
     }
 PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+#if !LOCKSTEP_AVX512 /* AVX-512 computes a two-group panel 16 lanes at a time (panel_tile16) */
 PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
+#endif
 /* By groups of 8 columns (two, or one at a unit's end) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE). */
 static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
     {0},
