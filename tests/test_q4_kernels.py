@@ -232,11 +232,12 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 @pytest.mark.skipif(not has_avx512_kernels(hardware.cpu_flags()),
                     reason="this CPU has no AVX-512 (avx512f, avx512bw): only the 8-column AVX2 tiles run here")
 @pytest.mark.parametrize("activations", ACTIVATIONS)
-def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
+def test_the_avx512_kernels_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
     at each tile's row counts (float32: 1 to 8 from the blocks, 4 rows a tile, 9 and past from a panel; 8-bit: 8
     rows a tile, with VNNI and without), both block formats, and a weight whose last 8 columns fall to the
-    8-column tile."""
+    8-column tile. The attention (two positions a vector for the scores, 16 dimensions for the sums) gives the
+    same logits too, in prompt chunks and decode steps."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
     avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)
@@ -257,6 +258,29 @@ def test_the_avx512_tiles_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, 
             expected = avx2.linear(x, avx2.interleaved(weight))
             for build in builds:
                 assert torch.equal(build.linear(x, build.interleaved(weight)), expected)
+    model, _ = gguf_model
+    expected = attention_logits(avx2, model, weights)
+    for build in builds:
+        assert all(torch.equal(got, want) for got, want in zip(attention_logits(build, model, weights), expected))
+
+
+def attention_logits(kernels, model, weights) -> list[torch.Tensor]:
+    """Logits of a 203-token prompt in two chunks (the second attends over 150 cached positions, and the
+    positions' counts leave tails of 1 to 3 past four and of 8 past 16), then of a decode step of two rows of
+    other lengths."""
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    ids = torch.randint(100, 20000, (203,), generator=torch.Generator().manual_seed(0))
+    whole, short = decoder.new_prompt_cache(203), decoder.new_prompt_cache(61)
+    chunks = [decoder.prefill(ids[start:end], start, whole, all_positions=True) for start, end in ((0, 150),
+                                                                                                 (150, 203))]
+    decoder.prefill(ids[:61], 0, short)
+    config = model.config
+    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.float32,
+                        torch.device("cpu"))
+    cache.add_row([(layer.keys, layer.values) for layer in short.layers], 61)
+    cache.add_row([(layer.keys, layer.values) for layer in whole.layers], 203)
+    position_ids, mask = cache.prepare_decode()
+    return [*chunks, decoder.decode(torch.tensor([[7], [11]]), position_ids, mask, cache)]
 
 
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):

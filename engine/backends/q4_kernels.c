@@ -1255,7 +1255,7 @@ static inline __m256 exp_avx2(__m256 x) {
 }
 
 /* scores[0..length) -> exp(score - max), padded with zeros to a multiple of 8; returns their sum. */
-static float exponentiate(float *scores, int64_t length) {
+static inline float exponentiate8(float *scores, int64_t length) {
     int64_t padded = (length + 7) / 8 * 8;
     for (int64_t p = length; p < padded; p++) scores[p] = -INFINITY;
     __m256 maxima = _mm256_set1_ps(-INFINITY);
@@ -1346,15 +1346,15 @@ static inline __attribute__((always_inline)) void sums_of_tile(const struct quer
 #define SUMS_CASE(Q, W) case 8 * Q + W: sums_of_tile(queries, from, to, common, values, head_dim, i, Q, W); break;
 #define SUMS_CASES(Q) SUMS_CASE(Q, 1) SUMS_CASE(Q, 2) SUMS_CASE(Q, 4)
 
-static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
-                   int64_t head_dim, float scaling) {
+static inline void scores8(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
+                           int64_t head_dim, float scaling) {
     switch (count) { SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6) }
 }
 
 /* Positions from..to-1 of each query's attended values (head_dim % 8 == 0). Few queries take 32 dimensions a
  * pass, more take 16 (their accumulators fill the registers either way). */
-static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
-                          int64_t common, int64_t head_dim) {
+static void weighted_sums8(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
+                           int64_t common, int64_t head_dim) {
     for (int64_t i = 0; i < head_dim;) {
         int64_t left = (head_dim - i) / 8;
         int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -1364,6 +1364,168 @@ static void weighted_sums(const struct query *queries, int count, const float *v
         i += 8 * width;
     }
 }
+
+#if LOCKSTEP_AVX512
+/* The same attention on 16 lanes. Scores: keys of two positions in the halves of one vector, the query in both,
+ * so each half runs the 8-lane chain of FMAs and sum_lanes of the AVX2 tile. Sums and the exponential: lane i is
+ * dimension (or position) i either way, and the exponential's total is added 8 lanes at a time in order. */
+static inline __m512 two_halves(const float *first, const float *second) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(first))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(second)), 1));
+}
+
+static inline __m512 both_halves(const float *eight) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(eight))));
+}
+
+static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+static inline __m512 exp_avx512(__m512 x) {
+    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    static const float terms[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
+                                  5.0000001201E-1f};
+    for (int i = 0; i < 5; i++) y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(terms[i]));
+    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~below, _mm512_mul_ps(y, _mm512_castsi512_ps(exponent)));
+}
+
+static float exponentiate(float *scores, int64_t length) {
+    int64_t padded = (length + 7) / 8 * 8;
+    for (int64_t p = length; p < padded; p++) scores[p] = -INFINITY;
+    __m256 maxima = _mm256_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < padded; p += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(scores + p));
+    float lanes[8], maximum = -INFINITY;
+    _mm256_storeu_ps(lanes, maxima);
+    for (int i = 0; i < 8; i++) maximum = lanes[i] > maximum ? lanes[i] : maximum;
+    __m256 total = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= padded; p += 16) {
+        __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + p), _mm512_set1_ps(maximum)));
+        _mm512_storeu_ps(scores + p, e);
+        total = _mm256_add_ps(_mm256_add_ps(total, _mm512_castps512_ps256(e)), high_half(e));
+    }
+    if (p < padded) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + p), _mm256_set1_ps(maximum)));
+        _mm256_storeu_ps(scores + p, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return sum_lanes(total);
+}
+
+/* sum_lanes of the four 8-lane halves of a and b, in one vector: the same additions of the same pairs. */
+static inline __m128 four_sums(__m512 a, __m512 b) {
+    __m512 halves_a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m512 halves_b = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m512 quarters = _mm512_shuffle_f32x4(halves_a, halves_b, _MM_SHUFFLE(2, 0, 2, 0)); /* one per 128-bit lane */
+    quarters = _mm512_add_ps(quarters, _mm512_permute_ps(quarters, _MM_SHUFFLE(3, 2, 3, 2)));
+    quarters = _mm512_add_ps(quarters, _mm512_movehdup_ps(quarters));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0, 0), quarters));
+}
+
+/* Scores of Q queries against positions from..to-1, four per pass (two vectors of two); the rest as on AVX2. */
+static inline __attribute__((always_inline)) void scores_of_tile16(const struct query *queries, const float *keys,
+                                                                   int64_t from, int64_t to, int64_t head_dim,
+                                                                   float scaling, const int Q) {
+    const __m128 scale = _mm_set1_ps(scaling);
+    int64_t p = from;
+    for (; p + 4 <= to; p += 4) {
+        const float *key = keys + p * head_dim;
+        __m512 a[TILE_QUERIES], b[TILE_QUERIES];
+        for (int q = 0; q < Q; q++) a[q] = b[q] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            __m512 k01 = two_halves(key + i, key + head_dim + i);
+            __m512 k23 = two_halves(key + 2 * head_dim + i, key + 3 * head_dim + i);
+            for (int q = 0; q < Q; q++) {
+                __m512 x = both_halves(queries[q].q + i);
+                a[q] = _mm512_fmadd_ps(x, k01, a[q]);
+                b[q] = _mm512_fmadd_ps(x, k23, b[q]);
+            }
+        }
+        for (int q = 0; q < Q; q++) _mm_storeu_ps(queries[q].scores + p, _mm_mul_ps(four_sums(a[q], b[q]), scale));
+    }
+    if (p < to) scores_of_tile(queries, keys, p, to, head_dim, scaling, Q);
+}
+
+/* sums_of_tile on 16 dimensions a vector. */
+static inline __attribute__((always_inline)) void sums_of_tile16(const struct query *queries, int64_t from,
+                                                                 int64_t to, int64_t common, const float *values,
+                                                                 int64_t head_dim, int64_t i, const int Q,
+                                                                 const int WIDTH) {
+    const int64_t shared_to = common < from ? from : common < to ? common : to;
+    __m512 acc[TILE_QUERIES][4];
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < WIDTH; w++)
+            acc[q][w] = from ? _mm512_loadu_ps(queries[q].out + i + 16 * w) : _mm512_setzero_ps();
+    for (int64_t p = from; p < shared_to; p++) {
+        const float *value = values + p * head_dim + i;
+        __m512 v[4];
+        for (int w = 0; w < WIDTH; w++) v[w] = _mm512_loadu_ps(value + 16 * w);
+        for (int q = 0; q < Q; q++) {
+            __m512 weight = _mm512_set1_ps(queries[q].scores[p]);
+            for (int w = 0; w < WIDTH; w++) acc[q][w] = _mm512_fmadd_ps(weight, v[w], acc[q][w]);
+        }
+    }
+    for (int q = 0; q < Q; q++)
+        for (int w = 0; w < WIDTH; w++) _mm512_storeu_ps(queries[q].out + i + 16 * w, acc[q][w]);
+    for (int q = 0; q < Q; q++) {
+        const int64_t own_to = queries[q].length < to ? queries[q].length : to;
+        float *out = queries[q].out + i;
+        for (int64_t p = shared_to; p < own_to; p++) {
+            __m512 weight = _mm512_set1_ps(queries[q].scores[p]);
+            for (int w = 0; w < WIDTH; w++)
+                _mm512_storeu_ps(out + 16 * w, _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + p * head_dim + i + 16 * w),
+                                                               _mm512_loadu_ps(out + 16 * w)));
+        }
+    }
+}
+
+#define SCORES16_CASE(Q) case Q: scores_of_tile16(queries, keys, from, to, head_dim, scaling, Q); break;
+#define SUMS16_CASE(Q, W) case 8 * Q + W: sums_of_tile16(queries, from, to, common, values, head_dim, i, Q, W); break;
+#define SUMS16_CASES(Q) SUMS16_CASE(Q, 1) SUMS16_CASE(Q, 2) SUMS16_CASE(Q, 4)
+
+static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling) {
+    switch (count) {
+        SCORES16_CASE(1) SCORES16_CASE(2) SCORES16_CASE(3) SCORES16_CASE(4) SCORES16_CASE(5) SCORES16_CASE(6)
+    }
+}
+
+static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim) {
+    if (head_dim % 16) {
+        weighted_sums8(queries, count, values, from, to, common, head_dim);
+        return;
+    }
+    for (int64_t i = 0; i < head_dim;) {
+        int64_t left = (head_dim - i) / 16;
+        int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        switch (8 * count + width) {
+            SUMS16_CASES(1) SUMS16_CASES(2) SUMS16_CASES(3) SUMS16_CASES(4) SUMS16_CASES(5) SUMS16_CASES(6)
+        }
+        i += 16 * width;
+    }
+}
+#else
+static float exponentiate(float *scores, int64_t length) { return exponentiate8(scores, length); }
+
+static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling) {
+    scores8(queries, count, keys, from, to, head_dim, scaling);
+}
+
+static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim) {
+    weighted_sums8(queries, count, values, from, to, common, head_dim);
+}
+#endif
 #else
 static inline float dot(const float *a, const float *b, int64_t count) {
     float lanes[8] = {0};
