@@ -64,3 +64,52 @@ def test_a_lone_row_decodes_the_same_logits_as_inside_a_batch(smol_model_dir, mo
         alone = logits_seen.pop(request.sampling.seed)
         assert len(alone) == 12 and len(together[request.sampling.seed]) >= 8
         assert all(torch.equal(a, b) for a, b in zip(alone, together[request.sampling.seed]))
+
+
+def test_a_burst_of_new_prompts_goes_in_one_pass_and_a_failed_pass_fails_no_one(smol_model_dir, monkeypatch):
+    """New requests of one step are prefilled in one pass over the 4-bit weights (not one pass each), with each
+    one's tokens as alone; a prompt that had a prefix-cache hit joins from where its hit ends. Should the pass
+    fail (a fault injected once), every prompt is fed alone and answers: the failure loses no one."""
+    config = EngineConfig(model=smol_model_dir, device="cpu", threads=1, weights="q4")
+    prompts = [tuple(range(100 + 37 * i, 130 + 41 * i)) for i in range(5)]
+
+    def first_steps(backend, requests, steps=3):
+        """The requests' tokens of their first steps, and their failures; then they are finished."""
+        tokens, failed = {}, {}
+        for step in range(steps):
+            output = backend.step(tuple(requests) if step == 0 else (), ())
+            failed.update(output.failed)
+            for request_id, new in output.new_token_ids.items():
+                tokens.setdefault(request_id, []).extend(new)
+        backend.step((), tuple(request.request_id for request in requests))
+        return tokens, failed
+
+    def requests(tag):
+        return [NewRequest(f"{tag}{i}", prompt, WorkerSampling(max_tokens=3)) for i, prompt in enumerate(prompts)]
+
+    alone = {}
+    for request in requests("r"):
+        backend = HFBackend(config, smol_model_dir)
+        alone[request.request_id] = first_steps(backend, [request])[0][request.request_id]
+        backend.close()
+    backend = HFBackend(config, smol_model_dir)
+    passes, real = [], backend.fast_decoder.prefill_many
+    monkeypatch.setattr(backend.fast_decoder, "prefill_many",
+                        lambda chunks: passes.append([(len(ids), start) for ids, start, _ in chunks]) or real(chunks))
+    tokens, failed = first_steps(backend, requests("r"))
+    assert passes == [[(len(prompt), 0) for prompt in sorted(prompts, key=len)]]  # fewest tokens first
+    assert failed == {} and tokens == alone
+    # again, after a step in which the same prompts' 32-token blocks went into the prefix cache
+    passes.clear()
+    tokens, failed = first_steps(backend, requests("again-r"))
+    assert sorted(start for _, start in passes[0]) == sorted(len(p) // 32 * 32 for p in prompts) and failed == {}
+    assert {f"again-{request_id}": t for request_id, t in alone.items()} == tokens
+
+    def failing_once(chunks):
+        monkeypatch.setattr(backend.fast_decoder, "prefill_many", real)
+        raise MemoryError("injected: no memory for the pass")
+
+    monkeypatch.setattr(backend.fast_decoder, "prefill_many", failing_once)
+    tokens, failed = first_steps(backend, requests("after-failure-r"))
+    assert failed == {} and {f"after-failure-{request_id}": t for request_id, t in alone.items()} == tokens
+    backend.close()

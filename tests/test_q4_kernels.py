@@ -160,6 +160,33 @@ def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_
     assert torch.equal(logits[0], whole[60])
 
 
+def test_prompts_fed_together_compute_what_each_computes_alone(kernels, gguf_model):
+    """Chunks of several prompts in one pass (a burst of new requests): of other lengths, caches and capacities,
+    one a second chunk after cached positions, one a single token: each prompt's logits and keys and values are
+    the bits its chunks give alone."""
+    model, weights = gguf_model
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    assert decoder.prefills_together
+    ids = torch.tensor(model_tokens(TEXT))
+    prompts = [(ids[:17], 0), (ids[5:80], 0), (ids[40:41], 0), (ids[:90][60:], 60), (ids[3:36], 0)]
+    alone, together = [], []
+    for chunk, start in prompts:
+        capacity = start + len(chunk) + 7 * len(alone)  # capacities of their own
+        caches = [decoder.new_prompt_cache(capacity) for _ in range(2)]
+        if start:  # the cached part, fed before as one prompt's first chunk
+            for cache in caches:
+                decoder.prefill(ids[:start], 0, cache)
+        alone.append((decoder.prefill(chunk, start, caches[0]), caches[0]))
+        together.append((chunk, start, caches[1]))
+    logits = decoder.prefill_many(together)
+    assert logits.shape == (len(prompts), model.config.vocab_size)
+    for (expected, cache), got, (chunk, start, fed) in zip(alone, logits, together):
+        assert torch.equal(got, expected)
+        end = start + len(chunk)  # past it the caches hold what their memory held
+        assert all(torch.equal(a[:, :, :end], b[:, :, :end]) for a, b in zip(cache.keys + cache.values,
+                                                                              fed.keys + fed.values))
+
+
 @torch.inference_mode()
 def test_quality_against_the_float32_dequantized_gguf(kernels, gguf_model):
     """The 8-bit rounding of activations (as llama.cpp's) costs little: the next-token argmax agrees with the

@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .bf16 import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
 from .kv_cache import SlotKVCache, one_query_attention
-from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights
+from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class FastDecoder:
 
     def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None, share_matmuls_rows: int = 0,
                  whole_step_in_c: bool = True, q4: tuple[Q4Kernels, Q4Weights] | None = None):
+        self._decode_tables: tuple[tuple, SlotTables] | None = None  # see _slot_tables
         if q4 is not None:
             self._init_q4(model, *q4)
             return
@@ -169,11 +170,11 @@ class FastDecoder:
             return DynamicCache()
         return PromptCache(self.q4_stack.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
 
-    def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, keys, values,
-                 first_logit_row: int) -> torch.Tensor:
+    def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: SlotTables,
+                 logit_rows: torch.Tensor) -> torch.Tensor:
         hidden = self.embed[token_ids]  # [N, hidden]
         cos, sin = self.rotary_table(positions)  # [N, head_dim] each
-        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos, sin, keys, values, first_logit_row)
+        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos, sin, caches, logit_rows)
 
     @property
     def reads_decode_mask(self) -> bool:
@@ -194,8 +195,8 @@ class FastDecoder:
         """One token per row: input_ids and position_ids [B, 1], attention_mask [B, 1, 1, capacity] from
         `cache.prepare_decode`. Returns the logits [B, V]."""
         if self.q4 is not None:
-            return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), cache.step_slots, cache.keys,
-                                 cache.values, 0)
+            return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), cache.step_slots,
+                                 self._slot_tables(cache), torch.arange(len(input_ids)))
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
         if self.stack is not None:
@@ -213,8 +214,9 @@ class FastDecoder:
         position's logits [V], or with `all_positions` every position's [C, V]."""
         if self.q4 is not None:
             positions = torch.arange(start, start + len(token_ids))
-            logits = self._q4_rows(token_ids, positions, torch.zeros(len(token_ids), dtype=torch.int64), cache.keys,
-                                   cache.values, 0 if all_positions else len(token_ids) - 1)
+            logit_rows = torch.arange(0 if all_positions else len(token_ids) - 1, len(token_ids))
+            logits = self._q4_rows(token_ids, positions, torch.zeros(len(token_ids), dtype=torch.int64),
+                                   SlotTables([(cache.keys, cache.values)]), logit_rows)
             return logits if all_positions else logits[0]
         hidden = self.embed[token_ids]  # [C, hidden]
         positions = torch.arange(start, start + len(token_ids), device=token_ids.device)
@@ -230,6 +232,30 @@ class FastDecoder:
             hidden = hidden[-1:]
         logits = self.lm_head(self.final_norm(hidden))
         return logits if all_positions else logits[0]
+
+    def _slot_tables(self, cache: SlotKVCache) -> SlotTables:
+        """The batch cache's slot tables, made again only when its tensors change (they cost ~80 us, 1% of a
+        one-row step)."""
+        key = (tuple(t.data_ptr() for t in (*cache.keys, *cache.values)), cache.keys[0].shape)
+        if self._decode_tables is None or self._decode_tables[0] != key:
+            self._decode_tables = key, SlotTables([(cache.keys, cache.values)])
+        return self._decode_tables[1]
+
+    @property
+    def prefills_together(self) -> bool:
+        """Whether `prefill_many` feeds several prompts in one pass over the weights (the 4-bit path)."""
+        return self.q4 is not None
+
+    def prefill_many(self, chunks: list[tuple[torch.Tensor, int, PromptCache]]) -> torch.Tensor:
+        """Chunks of several prompts, each (ids [C], start, its own cache) as `prefill` takes them, in one pass
+        over the weights: every row is computed as it is alone (the kernels' rows do not depend on the batch), so
+        each prompt's last logits are `prefill`'s bits. Returns them [len(chunks), V]."""
+        token_ids = torch.cat([ids for ids, _, _ in chunks])
+        positions = torch.cat([torch.arange(start, start + len(ids)) for ids, start, _ in chunks])
+        slots = torch.cat([torch.full((len(ids),), i, dtype=torch.int64) for i, (ids, _, _) in enumerate(chunks)])
+        logit_rows = torch.cumsum(torch.tensor([len(ids) for ids, _, _ in chunks]), 0) - 1
+        tables = SlotTables([(cache.keys, cache.values) for _, _, cache in chunks])
+        return self._q4_rows(token_ids, positions, slots, tables, logit_rows)
 
     def _prefill_layer(self, hidden, layer: _Layer, attention_module, cos, sin, visible, cache, index: int):
         length = hidden.shape[0]

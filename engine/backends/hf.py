@@ -242,6 +242,7 @@ class HFBackend(Backend):
         used += sum(len(prefill.request.prompt_token_ids) for prefill in self.prefills)
         self.prefix_cache.fit(self.kv_budget_tokens - used)
 
+    @torch.inference_mode()  # freeing live rows zeroes their slots: inference tensors
     def close(self) -> None:
         self._free({row.request_id for row in self.rows} | {i for p in self.prefills for i in p.samplers})
         if self.prefix_cache is not None:
@@ -298,15 +299,16 @@ class HFBackend(Backend):
 
     def _prefill_chunks(self, output: StepOutput) -> dict[str, tuple[int]]:
         """Feed prompt chunks within this step's budget, fewest tokens left first; finished prompts join.
-        Beside decoding rows the budget is also one of time, so the streams' next token is not held up."""
-        failed = output.failed
-        budget, first_token_ids = self.prefill_chunk_tokens, {}
-        deadline = float("inf")
+        Beside decoding rows the budget is also one of time, so the streams' next token is not held up. Prompts
+        that end this step go in one pass over the weights where the decoder can (a burst of new requests: one
+        pass instead of one each), the others chunk by chunk."""
+        budget, first_token_ids, together = self.prefill_chunk_tokens, {}, []
+        deadline, planned_s = float("inf"), 0.0  # planned_s: what the prompts fed together are expected to take
         self.prefills = deque(sorted(self.prefills, key=lambda p: p.num_left))
         while self.prefills and budget > 0:
             if self.rows and deadline == float("inf"):  # from now on a stream waits for this step
                 deadline = time.perf_counter() + self.prefill_step_target_s
-            seconds_left = deadline - time.perf_counter()
+            seconds_left = deadline - time.perf_counter() - planned_s
             if seconds_left <= 0:
                 break
             prefill = self.prefills[0]
@@ -316,20 +318,62 @@ class HFBackend(Backend):
             if budget < self.prefill_chunk_tokens and not self._fits(prefill, num_tokens, seconds_left):
                 break  # a chunk ran already: the next would hold the streams past the target
             budget -= num_tokens
-            try:
-                logits = self._prefill_chunk(prefill, num_tokens)
-            except REQUEST_ERRORS as exc:
-                logger.exception("prefill of %s failed", prefill.request.request_id)
-                failed.update(dict.fromkeys(prefill.samplers, describe(exc)))
-                self.prefills.popleft()
-                continue
-            if prefill.num_left == 0:
-                self.prefills.popleft()
-                if self.prefix_cache is not None:
-                    self.prefix_cache.insert(prefill.request.prompt_token_ids, prefill.request.cache_salt,
-                                             _prompt_views(prefill.cache))
-                first_token_ids.update(self._first_tokens(prefill, logits, output))
+            if self._feeds_together(prefill, num_tokens):
+                together.append(self.prefills.popleft())
+                planned_s += (self.seconds_per_cost_unit or 0.0) * _cost_units(prefill.num_computed, num_tokens)
+            else:
+                self._feed(prefill, num_tokens, output, first_token_ids)
+        if len(together) == 1:
+            self.prefills.appendleft(together[0])
+            self._feed(together[0], together[0].num_left, output, first_token_ids)
+        elif together:
+            self._feed_together(together, output, first_token_ids)
         return first_token_ids
+
+    def _feeds_together(self, prefill: Prefill, num_tokens: int) -> bool:
+        """Whether this chunk can go beside other prompts' in one pass: the whole rest of a prompt, on a decoder
+        whose rows do not depend on the batch (the 4-bit path); prompt logprobs keep every position's logits."""
+        return (num_tokens == prefill.num_left and prefill.prompt_logprobs is None and self.fast_decoder is not None
+                and self.fast_decoder.prefills_together)
+
+    def _feed(self, prefill: Prefill, num_tokens: int, output: StepOutput, first_token_ids: dict) -> None:
+        """One chunk of the first prompt in line; a prompt that is done leaves the line, and its samples join."""
+        try:
+            logits = self._prefill_chunk(prefill, num_tokens)
+        except REQUEST_ERRORS as exc:
+            logger.exception("prefill of %s failed", prefill.request.request_id)
+            output.failed.update(dict.fromkeys(prefill.samplers, describe(exc)))
+            self.prefills.popleft()
+            return
+        if prefill.num_left == 0:
+            self.prefills.popleft()
+            self._prompt_done(prefill, logits, output, first_token_ids)
+
+    def _feed_together(self, prefills: list[Prefill], output: StepOutput, first_token_ids: dict) -> None:
+        """The rest of each prompt in one pass. Should that fail, each is fed alone, so a failure stays with its
+        request (the pass rewrites only the prompts' own positions)."""
+        chunks = [(torch.tensor(p.request.prompt_token_ids[p.num_computed:], device=self.device), p.num_computed,
+                   p.cache) for p in prefills]
+        started = time.perf_counter()
+        try:
+            logits = self.fast_decoder.prefill_many(chunks)
+        except (*REQUEST_ERRORS, MemoryError) as exc:  # MemoryError: the kernels' scratch for all the rows at once
+            logger.warning("%d prompts fed together failed (%s): feeding them one at a time", len(prefills), exc)
+            for prefill in prefills:
+                self.prefills.appendleft(prefill)
+                self._feed(prefill, prefill.num_left, output, first_token_ids)
+            return
+        logger.debug("prefill of %d prompts together: %d tokens in %.3f s", len(prefills),
+                     sum(len(ids) for ids, _, _ in chunks), time.perf_counter() - started)
+        for prefill, row in zip(prefills, logits):
+            prefill.num_computed = len(prefill.request.prompt_token_ids)
+            self._prompt_done(prefill, row, output, first_token_ids)
+
+    def _prompt_done(self, prefill: Prefill, logits: torch.Tensor, output: StepOutput, first_token_ids: dict) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(prefill.request.prompt_token_ids, prefill.request.cache_salt,
+                                     _prompt_views(prefill.cache))
+        first_token_ids.update(self._first_tokens(prefill, logits, output))
 
     def _first_tokens(self, prefill: Prefill, logits: torch.Tensor, output: StepOutput) -> dict[str, tuple[int]]:
         """Each sample's first token from the prompt's last logits; the samples that go on join the batch,

@@ -52,8 +52,8 @@ class Q4Kernels:
         self._rows.argtypes = [pointer, integer, pointer, size, size, pointer]
         self._rows.restype = None
         self._forward = library.lockstep_q4_forward
-        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, pointer, pointer,
-                                  pointer, pointer, ctypes.c_float, pointer, size, integer, integer]
+        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size, pointer,
+                                  pointer, pointer, pointer, ctypes.c_float, pointer, pointer, size, integer, integer]
         self._forward.restype = ctypes.c_int
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
@@ -115,38 +115,39 @@ class Q4Kernels:
         return out.view(*ids.shape, weight.in_features)
 
     def forward(self, stack: "Q4Stack", hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                first_logit_row: int = 0) -> torch.Tensor:
-        """Rows through every layer, then the logits [rows - first_logit_row, vocabulary] of rows
-        first_logit_row.. . hidden [rows, hidden] (float32, the embedded tokens; overwritten): row r is the token at
-        position positions[r] of slot slots[r] of each layer's keys and values [slots, kv_heads, capacity,
-        head_dim] (it writes its key and value there and attends to positions 0..positions[r]), rotated by cos and
-        sin [rows, head_dim]. A decode step: slot r for row r; a prompt chunk: one slot, consecutive positions."""
+                cos: torch.Tensor, sin: torch.Tensor, caches: "SlotTables", logit_rows: torch.Tensor) -> torch.Tensor:
+        """Rows through every layer, then the logits [len(logit_rows), vocabulary] of the rows logit_rows lists.
+        hidden [rows, hidden] (float32, the embedded tokens; overwritten): row r is the token at position
+        positions[r] of slot slots[r] of `caches` (it writes its key and value there and attends to positions
+        0..positions[r]), rotated by cos and sin [rows, head_dim]. A decode step: slot r for row r; a prompt
+        chunk: one slot, consecutive positions; chunks of several prompts: a slot each."""
         rows = hidden.shape[0]
         if not (_is_f32_cpu(hidden, cos, sin) and hidden.shape == (rows, stack.hidden)
-                and cos.shape == sin.shape == (rows, stack.head_dim)) or not 0 <= first_logit_row < max(rows, 1):
-            raise ValueError("forward: hidden states, rotary tables or logit rows of the wrong shape or kind")
-        if len(keys) != stack.num_layers or len(values) != stack.num_layers or not _is_f32_cpu(*keys, *values):
-            raise ValueError("forward: one contiguous float32 slot cache per layer")
-        num_slots, num_kv_heads, capacity, head_dim = keys[0].shape
-        if (num_kv_heads, head_dim) != (stack.num_kv_heads, stack.head_dim) \
-                or any(tensor.shape != keys[0].shape for tensor in (*keys, *values)):
+                and cos.shape == sin.shape == (rows, stack.head_dim)):
+            raise ValueError("forward: hidden states or rotary tables of the wrong shape or kind")
+        if caches.num_layers != stack.num_layers or (caches.num_kv_heads, caches.head_dim) != (stack.num_kv_heads,
+                                                                                               stack.head_dim):
             raise ValueError("forward: slot caches that do not fit the model")
-        for name, tensor, bound in (("position", positions, capacity), ("slot", slots, num_slots)):
-            if tensor.dtype != torch.int64 or tensor.shape != (rows,) \
-                    or (rows and not bool(((tensor >= 0) & (tensor < bound)).all())):
-                raise ValueError(f"forward: a {name} outside the slot cache")
+        if slots.dtype != torch.int64 or positions.dtype != torch.int64 or slots.shape != (rows,) \
+                or positions.shape != (rows,) \
+                or (rows and not bool(((slots >= 0) & (slots < caches.num_slots)).all())):
+            raise ValueError("forward: a slot outside the slot cache")
+        if rows and not bool(((positions >= 0) & (positions < caches.capacities[slots.clamp(0, caches.num_slots - 1)]))
+                             .all()):
+            raise ValueError("forward: a position outside the slot cache")
+        if logit_rows.dtype != torch.int64 or logit_rows.dim() != 1 or len(logit_rows) > rows \
+                or (len(logit_rows) and not bool(((logit_rows >= 0) & (logit_rows < rows)).all())):
+            raise ValueError("forward: logit rows outside the rows")
         dims = (ctypes.c_int64 * 9)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
-                                    stack.intermediate, capacity, stack.vocabulary, stack.lm_head_format,
+                                    stack.intermediate, caches.num_slots, stack.vocabulary, stack.lm_head_format,
                                     stack.layer_format)
-        key_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in keys))
-        value_pointers = (ctypes.c_void_p * stack.num_layers)(*(tensor.data_ptr() for tensor in values))
-        slots, positions = slots.contiguous(), positions.contiguous()
-        logits = torch.empty((rows - first_logit_row, stack.vocabulary), dtype=torch.float32)
-        failed = rows and self._forward(dims, stack.num_layers, stack.pointers, stack.eps, key_pointers,
-                                        value_pointers, hidden.data_ptr(), rows, slots.data_ptr(),
-                                        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.scaling,
-                                        logits.data_ptr(), first_logit_row, self.helpers, self.exact)
+        slots, positions, logit_rows = slots.contiguous(), positions.contiguous(), logit_rows.contiguous()
+        logits = torch.empty((len(logit_rows), stack.vocabulary), dtype=torch.float32)
+        failed = rows and self._forward(dims, stack.num_layers, stack.pointers, stack.eps, caches.keys.data_ptr(),
+                                        caches.values.data_ptr(), caches.capacities.data_ptr(), hidden.data_ptr(),
+                                        rows, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                        stack.scaling, logits.data_ptr(), logit_rows.data_ptr(), len(logit_rows),
+                                        self.helpers, self.exact)
         if failed == -2:
             raise ValueError("forward: interleaved weights for kernels that do not read them")
         if failed:
@@ -233,6 +234,35 @@ class QuantizedWeight:
 class PromptLayer:
     keys: torch.Tensor  # [1, kv_heads, capacity, head_dim]
     values: torch.Tensor
+
+
+class SlotTables:
+    """Where `Q4Kernels.forward` finds each slot's keys and values: per layer and slot the address of that slot's
+    [kv_heads, capacity, head_dim] float32 block, and each slot's capacity. Slots are those of a batch's slot cache
+    (one tensor per layer, [slots, kv_heads, capacity, head_dim]) or prompt caches, one slot each."""
+
+    def __init__(self, caches: list[tuple[list[torch.Tensor], list[torch.Tensor]]]):
+        first = caches[0][0][0]
+        self.num_layers, (_, self.num_kv_heads, _, self.head_dim) = len(caches[0][0]), first.shape
+        for keys, values in caches:
+            shapes = {tensor.shape for tensor in (*keys, *values)}
+            if len(keys) != self.num_layers or len(values) != self.num_layers or len(shapes) != 1 \
+                    or not _is_f32_cpu(*keys, *values):
+                raise ValueError("forward: one contiguous float32 slot cache per layer")
+            if next(iter(shapes))[1::2] != (self.num_kv_heads, self.head_dim):
+                raise ValueError("forward: slot caches that do not fit the model")
+        # [layers, slots] addresses: slot s of a cache at its tensor's address + s blocks
+        self.keys, self.values = (torch.cat([_slot_addresses(cache[part]) for cache in caches], dim=1).contiguous()
+                                  for part in (0, 1))
+        self.capacities = torch.cat([torch.full((cache[0][0].shape[0],), cache[0][0].shape[2], dtype=torch.int64)
+                                     for cache in caches])
+        self.num_slots = len(self.capacities)  # addresses only: valid while the caller holds the tensors
+
+
+def _slot_addresses(tensors: list[torch.Tensor]) -> torch.Tensor:
+    num_slots, block = tensors[0].shape[0], tensors[0][0].numel() * tensors[0].element_size()
+    bases = torch.tensor([tensor.data_ptr() for tensor in tensors], dtype=torch.int64)
+    return bases[:, None] + torch.arange(num_slots, dtype=torch.int64) * block
 
 
 class PromptCache:

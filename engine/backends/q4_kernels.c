@@ -1563,11 +1563,11 @@ static void weighted_sums(const struct query *queries, int count, const float *v
 
 struct attention_job {
     const float *qkv; /* [rows, (heads + 2 kv_heads) * head_dim]: queries first */
-    const float *keys, *values; /* one layer's slots [slots, kv_heads, capacity, head_dim] */
+    const float *const *keys, *const *values; /* one layer's slots: slot s at keys[s], [kv_heads, capacities[s], head_dim] */
     float *out;                 /* [rows, heads * head_dim] */
-    const int64_t *slots, *lengths;
+    const int64_t *slots, *lengths, *capacities;
     const int64_t *tiles, *chunks; /* tile t: rows tiles[t]..tiles[t + 1]-1; chunk c: tiles chunks[c].. */
-    int64_t kv_heads, group, capacity, head_dim, qkv_width;
+    int64_t kv_heads, group, capacity, head_dim, qkv_width; /* capacity: the largest slot's */
     float scaling;
     float *scratch; /* capacity + 8 floats per row and query head */
 };
@@ -1612,8 +1612,8 @@ static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv
 static void attention_unit(const void *context, int64_t unit) {
     const struct attention_job *job = context;
     const int64_t chunk = unit / job->kv_heads, kv_head = unit % job->kv_heads, head_dim = job->head_dim;
-    const int64_t at = (job->slots[job->tiles[job->chunks[chunk]]] * job->kv_heads + kv_head) * job->capacity * head_dim;
-    const float *keys = job->keys + at, *values = job->values + at;
+    const int64_t slot = job->slots[job->tiles[job->chunks[chunk]]], at = kv_head * job->capacities[slot] * head_dim;
+    const float *keys = job->keys[slot] + at, *values = job->values[slot] + at;
     struct query_set sets[MAX_SETS];
     const int count = query_sets(job, chunk, kv_head, sets);
     int64_t longest = 0;
@@ -1672,24 +1672,28 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
     }
 }
 
-/* Rows through every layer of a Llama-shaped model, then the final norm and lm_head for rows first_logit_row..:
- * a decode step (row r: the next token of slot r) or a prompt chunk (every row in the prompt's one slot, at
- * consecutive positions), computed alike, so a chunked prompt gives what decoding it token by token gives.
- * dims: hidden, heads, kv_heads, head_dim, intermediate, capacity, vocabulary, lm_head format, the layers' format
+/* Rows through every layer of a Llama-shaped model, then the final norm and lm_head for the rows logit_rows
+ * lists: a decode step (row r: the next token of slot r), a prompt chunk (every row in the prompt's one slot, at
+ * consecutive positions) or chunks of several prompts (one slot each), computed alike, so a chunked prompt gives
+ * what decoding it token by token gives, alone or beside others.
+ * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format, the layers' format
  * (Q4_1, or Q4_1_X8; then the lm_head may be Q8_0_X8).
  * weights: 6 per layer (input norm f32, q/k/v Q4_1, output Q4_1, post-attention norm f32, gate/up Q4_1, down Q4_1),
- * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: one float32 slot cache
- * per layer [slots, kv_heads, capacity, head_dim]. hidden: [rows, hidden] float32, updated in place; row r writes
- * and attends in slot slots[r], at position positions[r] (it sees positions 0..positions[r]), rotated by cos, sin
- * [rows, head_dim]; logits: [rows - first_logit_row, vocabulary]; exact: as for lockstep_q4_linear. Returns 0,
- * -1 if scratch memory could not be had, -2 for an interleaved format where it cannot run. Rows of one slot must
- * be in order of position. */
+ * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
+ * s, that slot's float32 cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]). hidden: [rows,
+ * hidden] float32, updated in place; row r writes and attends in slot slots[r], at position positions[r] (it sees
+ * positions 0..positions[r]), rotated by cos, sin [rows, head_dim]; logits: [logit_count, vocabulary]; exact: as
+ * for lockstep_q4_linear. Returns 0, -1 if scratch memory could not be had, -2 for an interleaved format where it
+ * cannot run. Rows of one slot must be in order of position. */
 int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const float *eps,
-                        float *const *keys, float *const *values, float *hidden, int64_t rows, const int64_t *slots,
-                        const int64_t *positions, const float *cos, const float *sin, float scaling, float *logits,
-                        int64_t first_logit_row, int helpers, int exact) {
+                        float *const *keys, float *const *values, const int64_t *capacities, float *hidden,
+                        int64_t rows, const int64_t *slots, const int64_t *positions, const float *cos,
+                        const float *sin, float scaling, float *logits, const int64_t *logit_rows,
+                        int64_t logit_count, int helpers, int exact) {
     const int64_t width = dims[0], heads = dims[1], kv_heads = dims[2], head_dim = dims[3], intermediate = dims[4],
-                  capacity = dims[5], vocabulary = dims[6];
+                  slot_count = dims[5], vocabulary = dims[6];
+    int64_t capacity = 0; /* the largest slot's: the scores' stride */
+    for (int64_t s = 0; s < slot_count; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
     const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
     if (!x8_runs(layer_format, qkv_width) || !x8_runs(layer_format, width) ||
@@ -1722,15 +1726,17 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         for (int64_t r = 0; r < rows; r++) {
             float *token = qkv + r * qkv_width;
             rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
+            const int64_t slot = layer * slot_count + slots[r];
             for (int64_t h = 0; h < kv_heads; h++) {
-                int64_t at = ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
-                memcpy(keys[layer] + at, token + (heads + h) * head_dim, head_dim * sizeof(float));
-                memcpy(values[layer] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
+                int64_t at = (h * capacities[slots[r]] + positions[r]) * head_dim;
+                memcpy(keys[slot] + at, token + (heads + h) * head_dim, head_dim * sizeof(float));
+                memcpy(values[slot] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
             }
         }
-        struct attention_job attention = {qkv,     keys[layer], values[layer], attended, slots,     lengths, tiles,
-                                          chunks,  kv_heads,    group,         capacity, head_dim,  qkv_width,
-                                          scaling, scratch};
+        struct attention_job attention = {qkv,      (const float *const *)keys + layer * slot_count,
+                                          (const float *const *)values + layer * slot_count,
+                                          attended, slots,     lengths,   capacities, tiles,    chunks,
+                                          kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, scratch};
         run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
         matmul(shared, attended, quantized, w[2], layer_format, projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
@@ -1740,9 +1746,10 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         matmul(shared, activated, quantized, w[5], layer_format, projected, rows, width, intermediate, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
     }
-    const int64_t logit_rows = rows - first_logit_row;
-    rms_norm(hidden + first_logit_row * width, weights[6 * layers], normed, logit_rows, width, eps[2 * layers]);
-    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_rows, vocabulary, width, exact);
+    for (int64_t i = 0; i < logit_count; i++) /* each row normed alone, as rms_norm does row by row */
+        rms_norm(hidden + logit_rows[i] * width, weights[6 * layers], normed + i * width, 1, width, eps[2 * layers]);
+    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_count, vocabulary, width,
+           exact);
     if (shared) end_shared();
     free(normed), free(scratch), free(lengths), free(quantized);
     return 0;
