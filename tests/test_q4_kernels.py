@@ -14,7 +14,7 @@ from engine import hardware
 from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
-from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights,
+from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights, SlotTables,
                                QuantizedWeight, error_bound, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
 
@@ -340,6 +340,21 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
     cache = decoder.new_prompt_cache(4)
     with pytest.raises(ValueError):  # past the prompt cache's capacity
         decoder.prefill(torch.tensor([1, 2, 3]), 2, cache)
+    with pytest.raises(ValueError):  # past the smaller of two prompts' caches, fed together
+        decoder.prefill_many([(torch.tensor([1, 2]), 0, decoder.new_prompt_cache(9)),
+                              (torch.tensor([1, 2, 3]), 2, cache)])
+    ids, positions, tables = torch.tensor([1, 2]), torch.tensor([0, 1]), SlotTables([(cache.keys, cache.values)])
+    hidden, (cos, sin) = decoder.embed[ids], decoder.rotary_table(positions)
+    for slots, logit_rows in ((torch.tensor([0, 1]), torch.tensor([1])), (torch.tensor([0, 0]), torch.tensor([2])),
+                              (torch.tensor([0, 0]), torch.tensor([0, 1, 1]))):  # no slot 1; no row 2; 3 of 2 rows
+        with pytest.raises(ValueError):
+            kernels.forward(decoder.q4_stack, hidden.clone(), slots, positions, cos, sin, tables, logit_rows)
+    other_model = [torch.zeros(1, 2, 4, 64)] * model.config.num_hidden_layers  # 2 KV heads, not 3
+    with pytest.raises(ValueError):
+        kernels.forward(decoder.q4_stack, hidden.clone(), torch.tensor([0, 0]), positions, cos, sin,
+                        SlotTables([(other_model, other_model)]), torch.tensor([1]))
+    with pytest.raises(ValueError):  # keys and values of other shapes
+        SlotTables([(cache.keys, other_model)])
 
 
 def model_tokens(text: str) -> list[int]:
