@@ -321,10 +321,9 @@ class HFBackend(Backend):
             if self._feeds_together(prefill, num_tokens):
                 together.append(self.prefills.popleft())
                 planned_s += (self.seconds_per_cost_unit or 0.0) * _cost_units(prefill.num_computed, num_tokens)
-            else:
-                self._feed(prefill, num_tokens, output, first_token_ids)
+            elif self._feed(prefill, num_tokens, output, first_token_ids):
+                self.prefills.popleft()
         if len(together) == 1:
-            self.prefills.appendleft(together[0])
             self._feed(together[0], together[0].num_left, output, first_token_ids)
         elif together:
             self._feed_together(together, output, first_token_ids)
@@ -336,18 +335,19 @@ class HFBackend(Backend):
         return (num_tokens == prefill.num_left and prefill.prompt_logprobs is None and self.fast_decoder is not None
                 and self.fast_decoder.prefills_together)
 
-    def _feed(self, prefill: Prefill, num_tokens: int, output: StepOutput, first_token_ids: dict) -> None:
-        """One chunk of the first prompt in line; a prompt that is done leaves the line, and its samples join."""
+    def _feed(self, prefill: Prefill, num_tokens: int, output: StepOutput, first_token_ids: dict) -> bool:
+        """One chunk of a prompt; a prompt that is done has its samples join. Returns whether the prompt is over
+        (done, or failed): then it leaves the line."""
         try:
             logits = self._prefill_chunk(prefill, num_tokens)
         except REQUEST_ERRORS as exc:
             logger.exception("prefill of %s failed", prefill.request.request_id)
             output.failed.update(dict.fromkeys(prefill.samplers, describe(exc)))
-            self.prefills.popleft()
-            return
-        if prefill.num_left == 0:
-            self.prefills.popleft()
-            self._prompt_done(prefill, logits, output, first_token_ids)
+            return True
+        if prefill.num_left:
+            return False
+        self._prompt_done(prefill, logits, output, first_token_ids)
+        return True
 
     def _feed_together(self, prefills: list[Prefill], output: StepOutput, first_token_ids: dict) -> None:
         """The rest of each prompt in one pass. Should that fail, each is fed alone, so a failure stays with its
@@ -360,7 +360,6 @@ class HFBackend(Backend):
         except (*REQUEST_ERRORS, MemoryError) as exc:  # MemoryError: the kernels' scratch for all the rows at once
             logger.warning("%d prompts fed together failed (%s): feeding them one at a time", len(prefills), exc)
             for prefill in prefills:
-                self.prefills.appendleft(prefill)
                 self._feed(prefill, prefill.num_left, output, first_token_ids)
             return
         logger.debug("prefill of %d prompts together: %d tokens in %.3f s", len(prefills),
