@@ -110,8 +110,11 @@ def test_the_pool_keeps_its_bound_and_evicts_extensions_before_their_prefixes():
     found = cache.lookup(tokens[:3 * BLOCK_TOKENS + 1], None)
     assert len(found) == 3
     target = _layers(3 * BLOCK_TOKENS + 1, 1)
-    assert restore(found, target) == 3 * BLOCK_TOKENS
-    assert all(torch.equal(k[:, :3 * BLOCK_TOKENS], kk[:, :3 * BLOCK_TOKENS]) for (k, _), (kk, _) in zip(target, layers))
+    keys, values = (torch.stack([layer[part] for layer in target]) for part in (0, 1))
+    assert restore(found, keys, values) == 3 * BLOCK_TOKENS
+    target = list(zip(keys, values))
+    assert all(torch.equal(got[:, :3 * BLOCK_TOKENS], kept[:, :3 * BLOCK_TOKENS])
+               for restored, inserted in zip(target, layers) for got, kept in zip(restored, inserted))
     # a lookup leaves the last token to compute: an exact 3-block prompt finds 2 blocks
     assert len(cache.lookup(tokens[:3 * BLOCK_TOKENS], None)) == 2
     other = [t + 1 for t in tokens]

@@ -15,7 +15,7 @@ from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
 from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights, SlotTables,
-                               QuantizedWeight, error_bound, load_q4_kernels)
+                               QuantizedWeight, KEY_BLOCK, error_bound, key_positions, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
 
 # A fixed English text (the model's own kind of answer) for the quality check.
@@ -145,8 +145,7 @@ def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_
     for start, end in ((0, 31), (31, 32), (32, 90)):
         parts.append(decoder.prefill(ids[start:end], start, chunked_cache, all_positions=True))
     assert torch.equal(torch.cat(parts), whole)
-    assert all(torch.equal(a, b) for a, b in zip(whole_cache.keys + whole_cache.values,
-                                                 chunked_cache.keys + chunked_cache.values))
+    assert all(torch.equal(a, b) for a, b in zip(cached(whole_cache, 90), cached(chunked_cache, 90)))
     # two rows decoding in slots: row 0 feeds token 60 after a 60-token prompt; row 1 the whole prompt's next
     config = model.config
     cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.float32,
@@ -183,8 +182,12 @@ def test_prompts_fed_together_compute_what_each_computes_alone(kernels, gguf_mod
     for (expected, cache), got, (chunk, start, fed) in zip(alone, logits, together):
         assert torch.equal(got, expected)
         end = start + len(chunk)  # past it the caches hold what their memory held
-        assert all(torch.equal(a[:, :, :end], b[:, :, :end]) for a, b in zip(cache.keys + cache.values,
-                                                                              fed.keys + fed.values))
+        assert all(torch.equal(a, b) for a, b in zip(cached(cache, end), cached(fed, end)))
+
+
+def cached(cache, end: int) -> list[torch.Tensor]:
+    """A prompt cache's keys and values of positions 0..end-1, per layer (keys read back from their blocks)."""
+    return [key_positions(keys)[:, :, :end] for keys in cache.keys] + [values[:, :, :end] for values in cache.values]
 
 
 @torch.inference_mode()
@@ -239,6 +242,15 @@ def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_mo
     for weight in (weights.layers[0].qkv, weights.lm_head):
         reference, bound = error_bound(x, weight.dequantized(), portable.exact)
         assert bool(((portable.linear(x, weight).double() - reference).abs() <= bound).all())
+    if portable.exact:  # the whole forward (its attention reads the key blocks): the float32 model's logits
+        model, _ = gguf_model
+        decoder, ids = FastDecoder(model, q4=(portable, weights)), torch.tensor(model_tokens(TEXT))[:90]
+        cache = decoder.new_prompt_cache(len(ids))
+        got = torch.cat([decoder.prefill(ids[:50], 0, cache, all_positions=True),
+                         decoder.prefill(ids[50:], 50, cache, all_positions=True)])
+        with torch.inference_mode():
+            reference = model(input_ids=ids[None]).logits[0]
+        assert torch.allclose(got, reference, atol=1e-3) and torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
 @pytest.mark.skipif(not has_vnni_kernels(hardware.cpu_flags()),
@@ -337,12 +349,13 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
     with pytest.raises(ValueError):
         QuantizedWeight.concat(weights.layers[0].out, weights.layers[0].down)
     decoder = FastDecoder(model, q4=(kernels, weights))
-    cache = decoder.new_prompt_cache(4)
+    cache = decoder.new_prompt_cache(4)  # room for a whole key block: 16 positions
+    assert cache.keys[0].shape[2] == KEY_BLOCK
     with pytest.raises(ValueError):  # past the prompt cache's capacity
-        decoder.prefill(torch.tensor([1, 2, 3]), 2, cache)
+        decoder.prefill(torch.tensor([1, 2, 3]), KEY_BLOCK - 2, cache)
     with pytest.raises(ValueError):  # past the smaller of two prompts' caches, fed together
-        decoder.prefill_many([(torch.tensor([1, 2]), 0, decoder.new_prompt_cache(9)),
-                              (torch.tensor([1, 2, 3]), 2, cache)])
+        decoder.prefill_many([(torch.tensor([1, 2]), 0, decoder.new_prompt_cache(20)),
+                              (torch.tensor([1, 2, 3]), KEY_BLOCK - 2, cache)])
     ids, positions, tables = torch.tensor([1, 2]), torch.tensor([0, 1]), SlotTables([(cache.keys, cache.values)])
     hidden, (cos, sin) = decoder.embed[ids], decoder.rotary_table(positions)
     for slots, logit_rows in ((torch.tensor([0, 1]), torch.tensor([1])), (torch.tensor([0, 0]), torch.tensor([2])),
@@ -355,6 +368,9 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
                         SlotTables([(other_model, other_model)]), torch.tensor([1]))
     with pytest.raises(ValueError):  # keys and values of other shapes
         SlotTables([(cache.keys, other_model)])
+    part_block = [torch.zeros(1, 3, KEY_BLOCK + 4, 64)] * model.config.num_hidden_layers
+    with pytest.raises(ValueError):  # a capacity that ends inside a key block
+        SlotTables([(part_block, part_block)])
 
 
 def model_tokens(text: str) -> list[int]:

@@ -260,7 +260,7 @@ class HFBackend(Backend):
         prefill = Prefill(request, samplers, cache, prompt_logprobs=echo)
         if self.prefix_cache is not None and echo is None:  # echo needs every prompt position's logits
             blocks = self.prefix_cache.lookup(request.prompt_token_ids, request.cache_salt)
-            prefill.num_computed = restore(blocks, _prompt_views(cache))
+            prefill.num_computed = restore(blocks, cache.all_keys, cache.all_values)
         output.cached_tokens.update(dict.fromkeys(request.all_sample_ids, prefill.num_computed))
         self.prefills.append(prefill)
 

@@ -10,7 +10,9 @@ row leaves. A step attends over the whole capacity: a view of fewer positions is
 and the CPU matmuls then copy every row's keys and values first (docs/benchmarks.md: 3x slower).
 
 Rows are left-aligned (position p of a row is column p), positions past a row's length hold
-zeros and are masked with -inf. `slot_attention` computes a decode step's attention with two
+zeros and are masked with -inf. (The 4-bit path's C forward keeps keys in blocks of q4.KEY_BLOCK
+positions inside the same shape and reads only each row's own positions: a row's copy takes whole
+blocks.) `slot_attention` computes a decode step's attention with two
 matmuls, grouped by KV head: on CPU it is an order of magnitude faster than SDPA's flash kernel
 for one query token (docs/benchmarks.md), and every row's result is bit-identical whatever the
 other rows, the batch size or the span (each score is one dot product; masked positions add exact
@@ -23,10 +25,12 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .q4 import KEY_BLOCK
+
 logger = logging.getLogger(__name__)
 
 SLOT_ATTENTION = "lockstep_slots"
-PAGE_TOKENS = 64  # capacity grows (and shrinks) in multiples of this many positions (every step reads all of
+PAGE_TOKENS = 64  # a multiple of q4.KEY_BLOCK; capacity grows (and shrinks) in multiples of this many positions (every step reads all of
 # it, so larger pages slow short answers; growing copies the cache, so smaller pages copy more often)
 SLOT_GROUP = 2  # slots are allocated in pairs: at most one row's worth unused (the KV budget counts rows)
 SHRINK_AFTER_TOKENS = 2 * PAGE_TOKENS  # positions per slot no row needs any more before the storage shrinks
@@ -71,9 +75,10 @@ class SlotKVCache(Cache):
         next slot; returns the row's index."""
         row = self.num_rows
         self._reserve(row + 1, length + 1)
+        copied = min(layers[0][0].shape[2], _round_up(length, KEY_BLOCK))  # the 4-bit path's keys: whole blocks
         for layer, (keys, values) in enumerate(layers):
-            self.keys[layer][row, :, :length] = keys[0, :, :length]
-            self.values[layer][row, :, :length] = values[0, :, :length]
+            self.keys[layer][row, :, :copied] = keys[0, :, :copied]
+            self.values[layer][row, :, :copied] = values[0, :, :copied]
         self.lengths.append(length)
         return row
 

@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = 32  # a multiple of q4.KEY_BLOCK: a block's keys are whole key blocks of the 4-bit path
 
 
 @dataclass(frozen=True)
@@ -107,14 +107,13 @@ class PrefixCache:
             self._blocks.move_to_end(key)
 
 
-def restore(blocks: list[CachedBlock], layers: LayerViews) -> int:
-    """Copy cached blocks into the first positions of a sequence's cache; returns how many positions."""
-    if not blocks:
-        return 0
-    keys = torch.cat([block.keys for block in blocks], dim=2)  # [layers, kv_heads, positions, head_dim]
-    values = torch.cat([block.values for block in blocks], dim=2)
-    positions = keys.shape[2]
-    for layer, (layer_keys, layer_values) in enumerate(layers):
-        layer_keys[:, :positions] = keys[layer]
-        layer_values[:, :positions] = values[layer]
+def restore(blocks: list[CachedBlock], keys: torch.Tensor, values: torch.Tensor) -> int:
+    """Copy cached blocks into the first positions of a sequence's keys and values (each [layers, kv_heads,
+    capacity, head_dim], every layer in one tensor: one copy a block); returns how many positions."""
+    positions = 0
+    for block in blocks:
+        span = slice(positions, positions + block.keys.shape[2])
+        keys[:, :, span] = block.keys
+        values[:, :, span] = block.values
+        positions = span.stop
     return positions

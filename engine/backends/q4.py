@@ -36,6 +36,9 @@ BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0
 INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
 GGUF_FORMATS = {"Q4_1": FORMAT_Q4_1, "Q8_0": FORMAT_Q8_0}
 PROBE_ROWS = 19
+# Keys are kept in blocks of this many positions, positions in lanes (q4_kernels.c's KEY_BLOCK): a cache's capacity
+# is a multiple of it, and a copy of a cache's first positions copies whole blocks (key_positions reads them back).
+KEY_BLOCK = 16
 
 
 class Q4Kernels:
@@ -58,6 +61,9 @@ class Q4Kernels:
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
         self._interleave.restype = None
+        library.lockstep_q4_key_block.restype = ctypes.c_int64
+        if library.lockstep_q4_key_block() != KEY_BLOCK:
+            raise RuntimeError("q4_kernels.c keeps keys in blocks of another size than KEY_BLOCK")
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
         self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
@@ -232,8 +238,16 @@ class QuantizedWeight:
 
 @dataclass(frozen=True)
 class PromptLayer:
-    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim]
+    keys: torch.Tensor  # [1, kv_heads, capacity, head_dim], in blocks of KEY_BLOCK positions (key_positions)
     values: torch.Tensor
+
+
+def key_positions(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [..., capacity, head_dim] as the forward keeps them (blocks of KEY_BLOCK positions, positions in lanes)
+    read back position by position."""
+    *outer, capacity, head_dim = keys.shape
+    blocks = keys.reshape(*outer, capacity // KEY_BLOCK, head_dim, KEY_BLOCK)
+    return blocks.transpose(-1, -2).reshape(*outer, capacity, head_dim)
 
 
 class SlotTables:
@@ -251,6 +265,8 @@ class SlotTables:
                 raise ValueError("forward: one contiguous float32 slot cache per layer")
             if next(iter(shapes))[1::2] != (self.num_kv_heads, self.head_dim):
                 raise ValueError("forward: slot caches that do not fit the model")
+            if keys[0].shape[2] % KEY_BLOCK:
+                raise ValueError(f"forward: a slot cache's capacity must be a multiple of {KEY_BLOCK} positions")
         # [layers, slots] addresses: slot s of a cache at its tensor's address + s blocks
         self.keys, self.values = (torch.cat([_slot_addresses(cache[part]) for cache in caches], dim=1).contiguous()
                                   for part in (0, 1))
@@ -270,8 +286,9 @@ class PromptCache:
     computed as decode steps are); `layers` as a DynamicCache's, which the backend copies into the batch."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int):
-        shape = (1, num_kv_heads, max(1, capacity), head_dim)
-        self.layers = [PromptLayer(torch.empty(shape), torch.empty(shape)) for _ in range(num_layers)]
+        shape = (num_layers, num_kv_heads, max(1, -(-capacity // KEY_BLOCK)) * KEY_BLOCK, head_dim)
+        self.all_keys, self.all_values = torch.empty(shape), torch.empty(shape)  # every layer: one copy restores
+        self.layers = [PromptLayer(keys[None], values[None]) for keys, values in zip(self.all_keys, self.all_values)]
 
     @property
     def keys(self) -> list[torch.Tensor]:

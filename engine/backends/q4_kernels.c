@@ -1221,35 +1221,44 @@ static void rotate_heads(float *token, int64_t heads, int64_t head_dim, const fl
 /* ---- Attention. A unit is one KV head of a chunk of tiles; a tile holds the query heads (at most TILE_QUERIES) of
  * rows that attend to the same slot (one decode row's group, or neighbouring tokens of a prompt chunk) and a chunk
  * the tiles of one slot. Keys and values are read POSITION_BLOCK positions at a time for the whole chunk, so a long
- * prompt reads the cache from L2 a few times instead of from memory once per head and token. Every score is the
- * same chain of FMAs over the head's dimensions in order, and every output lane the same chain over positions in
- * order (kept in memory between blocks), whatever the tiles: a prompt chunked, whole or decoded computes the same
- * bits. */
+ * prompt reads the cache from L2 a few times instead of from memory once per head and token. Keys are kept in
+ * blocks of KEY_BLOCK positions with positions in lanes (dimension d of position p at key_offset(p, d)), so a
+ * vector of scores is a chain of FMAs over the head's dimensions with no horizontal sum. Every score is that chain in
+ * order, and every output lane the same chain over positions in order (kept in memory between blocks), whatever the
+ * tiles and the vector width: a prompt chunked, whole or decoded computes the same bits, on AVX2 as on AVX-512. */
+#define KEY_BLOCK 16
 #define TILE_QUERIES 6
 #define CHUNK_TILES 8
 #define POSITION_BLOCK 256
 
 struct query {
     const float *q;  /* [head_dim] */
-    float *scores;   /* [length rounded up to 8], then the softmax weights */
+    float *scores;   /* [length rounded up to KEY_BLOCK], then the softmax weights */
     float *out;      /* [head_dim] */
     int64_t length;  /* it attends to positions 0..length-1 */
 };
 
+int64_t lockstep_q4_key_block(void) { return KEY_BLOCK; }
+
+static inline int64_t key_offset(int64_t position, int64_t d, int64_t head_dim) {
+    return (position / KEY_BLOCK * head_dim + d) * KEY_BLOCK + position % KEY_BLOCK;
+}
+
 #if LOCKSTEP_AVX2
-/* expf for 8 lanes (Cephes' polynomial, ~1 ulp); exactly 0 below -87.3 (and for -inf). */
+/* expf for 8 lanes (Cephes' polynomial by FMAs, ~1 ulp); exactly 0 below -87.3 (and for -inf). */
+static const float EXP_TERMS[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
+                                  5.0000001201E-1f};
+
 static inline __m256 exp_avx2(__m256 x) {
     __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
     __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    static const float terms[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
-                                  5.0000001201E-1f};
-    for (int i = 0; i < 5; i++) y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(terms[i]));
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    for (int i = 0; i < 5; i++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_TERMS[i]));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
 }
@@ -1272,39 +1281,36 @@ static inline float exponentiate8(float *scores, int64_t length) {
     return sum_lanes(total);
 }
 
-/* Scores of Q queries against positions from..to-1 (of each query's own positions or more), two positions per
- * pass (independent chains of FMAs hide each other's latency). */
+/* Scores of Q queries at the positions of G key blocks from block `first` on (every lane of a block: past a query's
+ * length they are computed and not read), two vectors a block. */
+static inline __attribute__((always_inline)) void block_scores8(const struct query *queries, const float *keys,
+                                                                int64_t first, int64_t head_dim, float scaling,
+                                                                const int Q, const int G) {
+    __m256 acc[TILE_QUERIES][4];
+    for (int q = 0; q < Q; q++)
+        for (int h = 0; h < 2 * G; h++) acc[q][h] = _mm256_setzero_ps();
+    const float *block = keys + first * KEY_BLOCK * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) {
+        __m256 k[4];
+        for (int h = 0; h < 2 * G; h++) k[h] = _mm256_loadu_ps(block + ((h / 2) * head_dim + d) * KEY_BLOCK + 8 * (h % 2));
+        for (int q = 0; q < Q; q++) {
+            __m256 x = _mm256_broadcast_ss(queries[q].q + d);
+            for (int h = 0; h < 2 * G; h++) acc[q][h] = _mm256_fmadd_ps(x, k[h], acc[q][h]);
+        }
+    }
+    for (int q = 0; q < Q; q++)
+        for (int h = 0; h < 2 * G; h++)
+            _mm256_storeu_ps(queries[q].scores + first * KEY_BLOCK + 8 * h, _mm256_mul_ps(acc[q][h], _mm256_set1_ps(scaling)));
+}
+
+/* Blocks from..to-1, G at a time (2 for few queries, whose accumulators leave registers for a second block). */
 static inline __attribute__((always_inline)) void scores_of_tile(const struct query *queries, const float *keys,
                                                                  int64_t from, int64_t to, int64_t head_dim,
                                                                  float scaling, const int Q) {
-    int64_t p = from;
-    for (; p + 2 <= to; p += 2) {
-        const float *first = keys + p * head_dim, *second = first + head_dim;
-        __m256 a[TILE_QUERIES], b[TILE_QUERIES];
-        for (int q = 0; q < Q; q++) a[q] = b[q] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m256 k0 = _mm256_loadu_ps(first + i), k1 = _mm256_loadu_ps(second + i);
-            for (int q = 0; q < Q; q++) {
-                __m256 x = _mm256_loadu_ps(queries[q].q + i);
-                a[q] = _mm256_fmadd_ps(x, k0, a[q]);
-                b[q] = _mm256_fmadd_ps(x, k1, b[q]);
-            }
-        }
-        for (int q = 0; q < Q; q++) {
-            queries[q].scores[p] = sum_lanes(a[q]) * scaling;
-            queries[q].scores[p + 1] = sum_lanes(b[q]) * scaling;
-        }
-    }
-    for (; p < to; p++) {
-        const float *key = keys + p * head_dim;
-        __m256 a[TILE_QUERIES];
-        for (int q = 0; q < Q; q++) a[q] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m256 k = _mm256_loadu_ps(key + i);
-            for (int q = 0; q < Q; q++) a[q] = _mm256_fmadd_ps(_mm256_loadu_ps(queries[q].q + i), k, a[q]);
-        }
-        for (int q = 0; q < Q; q++) queries[q].scores[p] = sum_lanes(a[q]) * scaling;
-    }
+    int64_t block = from;
+    if (Q <= 2)
+        for (; block + 2 <= to; block += 2) block_scores8(queries, keys, block, head_dim, scaling, Q, 2);
+    for (; block < to; block++) block_scores8(queries, keys, block, head_dim, scaling, Q, 1);
 }
 
 /* Adds positions from..to-1 (clipped to each query's length) to dimensions i..i+8*WIDTH of each query's sum of
@@ -1346,8 +1352,10 @@ static inline __attribute__((always_inline)) void sums_of_tile(const struct quer
 #define SUMS_CASE(Q, W) case 8 * Q + W: sums_of_tile(queries, from, to, common, values, head_dim, i, Q, W); break;
 #define SUMS_CASES(Q) SUMS_CASE(Q, 1) SUMS_CASE(Q, 2) SUMS_CASE(Q, 4)
 
-static inline void scores8(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
-                           int64_t head_dim, float scaling) {
+/* Scores at positions from..to-1 (from a multiple of KEY_BLOCK), up to the end of to's block. */
+static inline void scores8(const struct query *queries, int count, const float *keys, int64_t from_position,
+                           int64_t to_position, int64_t head_dim, float scaling) {
+    const int64_t from = from_position / KEY_BLOCK, to = (to_position + KEY_BLOCK - 1) / KEY_BLOCK;
     switch (count) { SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6) }
 }
 
@@ -1366,18 +1374,8 @@ static void weighted_sums8(const struct query *queries, int count, const float *
 }
 
 #if LOCKSTEP_AVX512
-/* The same attention on 16 lanes. Scores: keys of two positions in the halves of one vector, the query in both,
- * so each half runs the 8-lane chain of FMAs and sum_lanes of the AVX2 tile. Sums and the exponential: lane i is
- * dimension (or position) i either way, and the exponential's total is added 8 lanes at a time in order. */
-static inline __m512 two_halves(const float *first, const float *second) {
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(first))),
-                                               _mm256_castps_pd(_mm256_loadu_ps(second)), 1));
-}
-
-static inline __m512 both_halves(const float *eight) {
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(eight))));
-}
-
+/* The same attention on 16 lanes: a key block's lanes in one vector for the scores; lane i is dimension (or
+ * position) i for the sums and the exponential, whose total is added 8 lanes at a time in order. */
 static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 static inline __m512 exp_avx512(__m512 x) {
@@ -1385,13 +1383,11 @@ static inline __m512 exp_avx512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    static const float terms[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
-                                  5.0000001201E-1f};
-    for (int i = 0; i < 5; i++) y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(terms[i]));
-    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+    for (int i = 0; i < 5; i++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_TERMS[i]));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps((__mmask16)~below, _mm512_mul_ps(y, _mm512_castsi512_ps(exponent)));
 }
@@ -1419,39 +1415,35 @@ static float exponentiate(float *scores, int64_t length) {
     return sum_lanes(total);
 }
 
-/* sum_lanes of the four 8-lane halves of a and b, in one vector: the same additions of the same pairs. */
-static inline __m128 four_sums(__m512 a, __m512 b) {
-    __m512 halves_a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
-    __m512 halves_b = _mm512_add_ps(b, _mm512_shuffle_f32x4(b, b, _MM_SHUFFLE(2, 3, 0, 1)));
-    __m512 quarters = _mm512_shuffle_f32x4(halves_a, halves_b, _MM_SHUFFLE(2, 0, 2, 0)); /* one per 128-bit lane */
-    quarters = _mm512_add_ps(quarters, _mm512_permute_ps(quarters, _MM_SHUFFLE(3, 2, 3, 2)));
-    quarters = _mm512_add_ps(quarters, _mm512_movehdup_ps(quarters));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                          0, 0), quarters));
+/* block_scores8 with a key block in one vector. */
+static inline __attribute__((always_inline)) void block_scores16(const struct query *queries, const float *keys,
+                                                                 int64_t first, int64_t head_dim, float scaling,
+                                                                 const int Q, const int G) {
+    __m512 acc[TILE_QUERIES][8];
+    for (int q = 0; q < Q; q++)
+        for (int g = 0; g < G; g++) acc[q][g] = _mm512_setzero_ps();
+    const float *block = keys + first * KEY_BLOCK * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) {
+        __m512 k[8];
+        for (int g = 0; g < G; g++) k[g] = _mm512_loadu_ps(block + (g * head_dim + d) * KEY_BLOCK);
+        for (int q = 0; q < Q; q++) {
+            __m512 x = _mm512_set1_ps(queries[q].q[d]);
+            for (int g = 0; g < G; g++) acc[q][g] = _mm512_fmadd_ps(x, k[g], acc[q][g]);
+        }
+    }
+    for (int q = 0; q < Q; q++)
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(queries[q].scores + (first + g) * KEY_BLOCK, _mm512_mul_ps(acc[q][g], _mm512_set1_ps(scaling)));
 }
 
-/* Scores of Q queries against positions from..to-1, four per pass (two vectors of two); the rest as on AVX2. */
+/* Blocks from..to-1, G at a time: 8 for up to two queries, 4 for more (at most 24 accumulators). */
 static inline __attribute__((always_inline)) void scores_of_tile16(const struct query *queries, const float *keys,
                                                                    int64_t from, int64_t to, int64_t head_dim,
                                                                    float scaling, const int Q) {
-    const __m128 scale = _mm_set1_ps(scaling);
-    int64_t p = from;
-    for (; p + 4 <= to; p += 4) {
-        const float *key = keys + p * head_dim;
-        __m512 a[TILE_QUERIES], b[TILE_QUERIES];
-        for (int q = 0; q < Q; q++) a[q] = b[q] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            __m512 k01 = two_halves(key + i, key + head_dim + i);
-            __m512 k23 = two_halves(key + 2 * head_dim + i, key + 3 * head_dim + i);
-            for (int q = 0; q < Q; q++) {
-                __m512 x = both_halves(queries[q].q + i);
-                a[q] = _mm512_fmadd_ps(x, k01, a[q]);
-                b[q] = _mm512_fmadd_ps(x, k23, b[q]);
-            }
-        }
-        for (int q = 0; q < Q; q++) _mm_storeu_ps(queries[q].scores + p, _mm_mul_ps(four_sums(a[q], b[q]), scale));
-    }
-    if (p < to) scores_of_tile(queries, keys, p, to, head_dim, scaling, Q);
+    const int G = Q <= 2 ? 8 : 4;
+    int64_t block = from;
+    for (; block + G <= to; block += G) block_scores16(queries, keys, block, head_dim, scaling, Q, G);
+    for (; block < to; block++) block_scores16(queries, keys, block, head_dim, scaling, Q, 1);
 }
 
 /* sums_of_tile on 16 dimensions a vector. */
@@ -1491,8 +1483,9 @@ static inline __attribute__((always_inline)) void sums_of_tile16(const struct qu
 #define SUMS16_CASE(Q, W) case 8 * Q + W: sums_of_tile16(queries, from, to, common, values, head_dim, i, Q, W); break;
 #define SUMS16_CASES(Q) SUMS16_CASE(Q, 1) SUMS16_CASE(Q, 2) SUMS16_CASE(Q, 4)
 
-static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
-                   int64_t head_dim, float scaling) {
+static void scores(const struct query *queries, int count, const float *keys, int64_t from_position,
+                   int64_t to_position, int64_t head_dim, float scaling) {
+    const int64_t from = from_position / KEY_BLOCK, to = (to_position + KEY_BLOCK - 1) / KEY_BLOCK;
     switch (count) {
         SCORES16_CASE(1) SCORES16_CASE(2) SCORES16_CASE(3) SCORES16_CASE(4) SCORES16_CASE(5) SCORES16_CASE(6)
     }
@@ -1527,13 +1520,6 @@ static void weighted_sums(const struct query *queries, int count, const float *v
 }
 #endif
 #else
-static inline float dot(const float *a, const float *b, int64_t count) {
-    float lanes[8] = {0};
-    for (int64_t i = 0; i < count; i += 8)
-        for (int j = 0; j < 8; j++) lanes[j] += a[i + j] * b[i + j];
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-}
-
 static float exponentiate(float *scores, int64_t length) {
     float maximum = -INFINITY, total = 0;
     for (int64_t p = 0; p < length; p++) maximum = scores[p] > maximum ? scores[p] : maximum;
@@ -1544,8 +1530,11 @@ static float exponentiate(float *scores, int64_t length) {
 static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
                    int64_t head_dim, float scaling) {
     for (int q = 0; q < count; q++)
-        for (int64_t p = from; p < to && p < queries[q].length; p++)
-            queries[q].scores[p] = dot(queries[q].q, keys + p * head_dim, head_dim) * scaling;
+        for (int64_t p = from; p < to && p < queries[q].length; p++) {
+            float sum = 0;
+            for (int64_t d = 0; d < head_dim; d++) sum += queries[q].q[d] * keys[key_offset(p, d, head_dim)];
+            queries[q].scores[p] = sum * scaling;
+        }
 }
 
 static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
@@ -1569,7 +1558,7 @@ struct attention_job {
     const int64_t *tiles, *chunks; /* tile t: rows tiles[t]..tiles[t + 1]-1; chunk c: tiles chunks[c].. */
     int64_t kv_heads, group, capacity, head_dim, qkv_width; /* capacity: the largest slot's */
     float scaling;
-    float *scratch; /* capacity + 8 floats per row and query head */
+    float *scratch; /* capacity + KEY_BLOCK floats per row and query head */
 };
 
 struct query_set {
@@ -1582,7 +1571,7 @@ struct query_set {
 
 /* The chunk's query heads for one KV head, TILE_QUERIES at a time; returns how many sets. */
 static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv_head, struct query_set *sets) {
-    const int64_t heads = job->kv_heads * job->group, stride = job->capacity + 8, head_dim = job->head_dim;
+    const int64_t heads = job->kv_heads * job->group, stride = job->capacity + KEY_BLOCK, head_dim = job->head_dim;
     int count = 0;
     for (int64_t tile = job->chunks[chunk]; tile < job->chunks[chunk + 1]; tile++) {
         sets[count].count = 0;
@@ -1703,7 +1692,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
     const int64_t widest = width > intermediate ? width : intermediate;
     float *normed = malloc(floats * sizeof(float) + 64);
-    float *scratch = malloc(rows * heads * (capacity + 8) * sizeof(float) + 64);
+    float *scratch = malloc(rows * heads * (capacity + KEY_BLOCK) * sizeof(float) + 64);
     int64_t *lengths = malloc((3 * rows + 2) * sizeof(int64_t) + 8), *tiles = lengths + rows, *chunks = tiles + rows + 1;
     void *quantized = malloc(quantized_x_bytes(rows, widest > attended_width ? widest : attended_width));
     if (!normed || !scratch || !lengths || !quantized) {
@@ -1729,7 +1718,9 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
             const int64_t slot = layer * slot_count + slots[r];
             for (int64_t h = 0; h < kv_heads; h++) {
                 int64_t at = (h * capacities[slots[r]] + positions[r]) * head_dim;
-                memcpy(keys[slot] + at, token + (heads + h) * head_dim, head_dim * sizeof(float));
+                float *key = keys[slot] + h * capacities[slots[r]] * head_dim;
+                for (int64_t d = 0; d < head_dim; d++)
+                    key[key_offset(positions[r], d, head_dim)] = token[(heads + h) * head_dim + d];
                 memcpy(values[slot] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
             }
         }
