@@ -57,11 +57,11 @@ def slot_stepper(model, batch: int, context: int, fast: FastDecoder | None = Non
     """A decode step over rows in slots, keys and values written in place: through the model's forward, or
     through `fast` (the backend's default for this model)."""
     config = model.config
+    dtype = fast.q4.kv_dtype if fast is not None and fast.q4 is not None else model.dtype  # the 4-bit path's own
     cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads,
-                        config.hidden_size // config.num_attention_heads, model.dtype, torch.device("cpu"))
+                        config.hidden_size // config.num_attention_heads, dtype, torch.device("cpu"))
     shape = (1, config.num_key_value_heads, context, config.hidden_size // config.num_attention_heads)
-    layers = [(torch.randn(shape).to(model.dtype), torch.randn(shape).to(model.dtype))
-              for _ in range(config.num_hidden_layers)]
+    layers = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(config.num_hidden_layers)]
     for _ in range(batch):
         cache.add_row(layers, context)
     tokens = torch.randint(100, 10_000, (max(batch, 2), 1))

@@ -148,7 +148,7 @@ def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_
     assert all(torch.equal(a, b) for a, b in zip(cached(whole_cache, 90), cached(chunked_cache, 90)))
     # two rows decoding in slots: row 0 feeds token 60 after a 60-token prompt; row 1 the whole prompt's next
     config = model.config
-    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.float32,
+    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, kernels.kv_dtype,
                         torch.device("cpu"))
     short = decoder.new_prompt_cache(60)
     decoder.prefill(ids[:60], 0, short)
@@ -314,7 +314,7 @@ def attention_logits(kernels, model, weights) -> list[torch.Tensor]:
                                                                                                  (150, 203))]
     decoder.prefill(ids[:61], 0, short)
     config = model.config
-    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, torch.float32,
+    cache = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, kernels.kv_dtype,
                         torch.device("cpu"))
     cache.add_row([(layer.keys, layer.values) for layer in short.layers], 61)
     cache.add_row([(layer.keys, layer.values) for layer in whole.layers], 203)
@@ -371,6 +371,12 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
     part_block = [torch.zeros(1, 3, KEY_BLOCK + 4, 64)] * model.config.num_hidden_layers
     with pytest.raises(ValueError):  # a capacity that ends inside a key block
         SlotTables([(part_block, part_block)])
+    other_dtype = [torch.zeros(1, 3, KEY_BLOCK, 64, dtype=torch.float16 if kernels.exact else torch.float32)]
+    with pytest.raises(ValueError):  # keys and values in the dtype the other activations keep them in
+        kernels.forward(decoder.q4_stack, hidden.clone(), torch.tensor([0, 0]), positions, cos, sin,
+                        SlotTables([(other_dtype * model.config.num_hidden_layers,) * 2]), torch.tensor([1]))
+    with pytest.raises(ValueError):  # nor any other
+        SlotTables([([torch.zeros(1, 3, KEY_BLOCK, 64, dtype=torch.float64)] * model.config.num_hidden_layers,) * 2])
 
 
 def model_tokens(text: str) -> list[int]:

@@ -168,7 +168,7 @@ class FastDecoder:
         """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout, or transformers' cache."""
         if self.q4 is None:
             return DynamicCache()
-        return PromptCache(self.q4_stack.num_layers, self.num_kv_heads, num_tokens, self.head_dim)
+        return PromptCache(self.q4_stack.num_layers, self.num_kv_heads, num_tokens, self.head_dim, self.q4.kv_dtype)
 
     def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: SlotTables,
                  logit_rows: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,9 @@ class Q4Kernels:
         self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
+        # keys and values: float32 beside float32 activations, else float16 (half the bytes a step reads per
+        # position; its 11 bits are more than the 8 the activations keep)
+        self.kv_dtype = torch.float32 if exact else torch.float16
 
     @property
     def name(self) -> str:
@@ -134,6 +137,8 @@ class Q4Kernels:
         if caches.num_layers != stack.num_layers or (caches.num_kv_heads, caches.head_dim) != (stack.num_kv_heads,
                                                                                                stack.head_dim):
             raise ValueError("forward: slot caches that do not fit the model")
+        if caches.dtype != self.kv_dtype:
+            raise ValueError(f"forward: these kernels keep keys and values in {self.kv_dtype}, not {caches.dtype}")
         if slots.dtype != torch.int64 or positions.dtype != torch.int64 or slots.shape != (rows,) \
                 or positions.shape != (rows,) \
                 or (rows and not bool(((slots >= 0) & (slots < caches.num_slots)).all())):
@@ -252,17 +257,20 @@ def key_positions(keys: torch.Tensor) -> torch.Tensor:
 
 class SlotTables:
     """Where `Q4Kernels.forward` finds each slot's keys and values: per layer and slot the address of that slot's
-    [kv_heads, capacity, head_dim] float32 block, and each slot's capacity. Slots are those of a batch's slot cache
+    [kv_heads, capacity, head_dim] block (float32 or float16, one dtype for all), and each slot's capacity. Slots
+    are those of a batch's slot cache
     (one tensor per layer, [slots, kv_heads, capacity, head_dim]) or prompt caches, one slot each."""
 
     def __init__(self, caches: list[tuple[list[torch.Tensor], list[torch.Tensor]]]):
         first = caches[0][0][0]
         self.num_layers, (_, self.num_kv_heads, _, self.head_dim) = len(caches[0][0]), first.shape
+        self.dtype = first.dtype
         for keys, values in caches:
             shapes = {tensor.shape for tensor in (*keys, *values)}
             if len(keys) != self.num_layers or len(values) != self.num_layers or len(shapes) != 1 \
-                    or not _is_f32_cpu(*keys, *values):
-                raise ValueError("forward: one contiguous float32 slot cache per layer")
+                    or self.dtype not in (torch.float32, torch.float16) \
+                    or not _is_cpu_contiguous(self.dtype, *keys, *values):
+                raise ValueError("forward: one contiguous float32 or float16 slot cache per layer")
             if next(iter(shapes))[1::2] != (self.num_kv_heads, self.head_dim):
                 raise ValueError("forward: slot caches that do not fit the model")
             if keys[0].shape[2] % KEY_BLOCK:
@@ -285,9 +293,10 @@ class PromptCache:
     """One prompt's keys and values while it is fed in chunks, as the slot cache lays out one slot (so a chunk is
     computed as decode steps are); `layers` as a DynamicCache's, which the backend copies into the batch."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
         shape = (num_layers, num_kv_heads, max(1, -(-capacity // KEY_BLOCK)) * KEY_BLOCK, head_dim)
-        self.all_keys, self.all_values = torch.empty(shape), torch.empty(shape)  # every layer: one copy restores
+        # every layer in one tensor: a prefix-cache hit restores one copy a block
+        self.all_keys, self.all_values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
         self.layers = [PromptLayer(keys[None], values[None]) for keys, values in zip(self.all_keys, self.all_values)]
 
     @property
@@ -442,8 +451,11 @@ def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: i
 
 
 def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
-               for tensor in tensors)
+    return _is_cpu_contiguous(torch.float32, *tensors)
+
+
+def _is_cpu_contiguous(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    return all(tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous() for tensor in tensors)
 
 
 def load_q4_kernels(cache_dir: str, helpers: int, exact: bool = False) -> Q4Kernels | None:

@@ -1244,6 +1244,25 @@ static inline int64_t key_offset(int64_t position, int64_t d, int64_t head_dim) 
     return (position / KEY_BLOCK * head_dim + d) * KEY_BLOCK + position % KEY_BLOCK;
 }
 
+/* Keys and values are float16 (HALF: on 8-bit activations, half the bytes a decode step reads per position) or
+ * float32 (exact); index in elements. float16 rounds to nearest even, as F16C does. */
+static inline float load_kv(const void *kv, int64_t index, const int HALF) {
+    return HALF ? half_to_float(((const uint16_t *)kv)[index]) : ((const float *)kv)[index];
+}
+
+static inline void store_kv(void *kv, int64_t index, float x, const int HALF) {
+    if (!HALF) {
+        ((float *)kv)[index] = x;
+        return;
+    }
+#if LOCKSTEP_AVX2
+    ((uint16_t *)kv)[index] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+    union { _Float16 h; uint16_t u; } bits = {(_Float16)x};
+    ((uint16_t *)kv)[index] = bits.u;
+#endif
+}
+
 #if LOCKSTEP_AVX2
 /* expf for 8 lanes (Cephes' polynomial by FMAs, ~1 ulp); exactly 0 below -87.3 (and for -inf). */
 static const float EXP_TERMS[] = {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f,
@@ -1281,18 +1300,23 @@ static inline float exponentiate8(float *scores, int64_t length) {
     return sum_lanes(total);
 }
 
+static inline __m256 load_kv8(const void *kv, int64_t index, const int HALF) {
+    return HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)kv + index)))
+                : _mm256_loadu_ps((const float *)kv + index);
+}
+
 /* Scores of Q queries at the positions of G key blocks from block `first` on (every lane of a block: past a query's
  * length they are computed and not read), two vectors a block. */
-static inline __attribute__((always_inline)) void block_scores8(const struct query *queries, const float *keys,
+static inline __attribute__((always_inline)) void block_scores8(const struct query *queries, const void *keys,
                                                                 int64_t first, int64_t head_dim, float scaling,
-                                                                const int Q, const int G) {
+                                                                const int Q, const int G, const int HALF) {
     __m256 acc[TILE_QUERIES][4];
     for (int q = 0; q < Q; q++)
         for (int h = 0; h < 2 * G; h++) acc[q][h] = _mm256_setzero_ps();
-    const float *block = keys + first * KEY_BLOCK * head_dim;
+    const int64_t block = first * KEY_BLOCK * head_dim;
     for (int64_t d = 0; d < head_dim; d++) {
         __m256 k[4];
-        for (int h = 0; h < 2 * G; h++) k[h] = _mm256_loadu_ps(block + ((h / 2) * head_dim + d) * KEY_BLOCK + 8 * (h % 2));
+        for (int h = 0; h < 2 * G; h++) k[h] = load_kv8(keys, block + ((h / 2) * head_dim + d) * KEY_BLOCK + 8 * (h % 2), HALF);
         for (int q = 0; q < Q; q++) {
             __m256 x = _mm256_broadcast_ss(queries[q].q + d);
             for (int h = 0; h < 2 * G; h++) acc[q][h] = _mm256_fmadd_ps(x, k[h], acc[q][h]);
@@ -1304,31 +1328,30 @@ static inline __attribute__((always_inline)) void block_scores8(const struct que
 }
 
 /* Blocks from..to-1, G at a time (2 for few queries, whose accumulators leave registers for a second block). */
-static inline __attribute__((always_inline)) void scores_of_tile(const struct query *queries, const float *keys,
+static inline __attribute__((always_inline)) void scores_of_tile(const struct query *queries, const void *keys,
                                                                  int64_t from, int64_t to, int64_t head_dim,
-                                                                 float scaling, const int Q) {
+                                                                 float scaling, const int Q, const int HALF) {
     int64_t block = from;
     if (Q <= 2)
-        for (; block + 2 <= to; block += 2) block_scores8(queries, keys, block, head_dim, scaling, Q, 2);
-    for (; block < to; block++) block_scores8(queries, keys, block, head_dim, scaling, Q, 1);
+        for (; block + 2 <= to; block += 2) block_scores8(queries, keys, block, head_dim, scaling, Q, 2, HALF);
+    for (; block < to; block++) block_scores8(queries, keys, block, head_dim, scaling, Q, 1, HALF);
 }
 
 /* Adds positions from..to-1 (clipped to each query's length) to dimensions i..i+8*WIDTH of each query's sum of
  * weights[p] * values[p], started at 0 when from is 0, else continued from `out`: the positions all queries have
  * at once (each value read once), then each query's own. */
 static inline __attribute__((always_inline)) void sums_of_tile(const struct query *queries, int64_t from,
-                                                               int64_t to, int64_t common, const float *values,
+                                                               int64_t to, int64_t common, const void *values,
                                                                int64_t head_dim, int64_t i, const int Q,
-                                                               const int WIDTH) {
+                                                               const int WIDTH, const int HALF) {
     const int64_t shared_to = common < from ? from : common < to ? common : to;
     __m256 acc[TILE_QUERIES][4];
     for (int q = 0; q < Q; q++)
         for (int w = 0; w < WIDTH; w++)
             acc[q][w] = from ? _mm256_loadu_ps(queries[q].out + i + 8 * w) : _mm256_setzero_ps();
     for (int64_t p = from; p < shared_to; p++) {
-        const float *value = values + p * head_dim + i;
         __m256 v[4];
-        for (int w = 0; w < WIDTH; w++) v[w] = _mm256_loadu_ps(value + 8 * w);
+        for (int w = 0; w < WIDTH; w++) v[w] = load_kv8(values, p * head_dim + i + 8 * w, HALF);
         for (int q = 0; q < Q; q++) {
             __m256 weight = _mm256_broadcast_ss(queries[q].scores + p);
             for (int w = 0; w < WIDTH; w++) acc[q][w] = _mm256_fmadd_ps(weight, v[w], acc[q][w]);
@@ -1342,33 +1365,35 @@ static inline __attribute__((always_inline)) void sums_of_tile(const struct quer
         for (int64_t p = shared_to; p < own_to; p++) {
             __m256 weight = _mm256_broadcast_ss(queries[q].scores + p);
             for (int w = 0; w < WIDTH; w++)
-                _mm256_storeu_ps(out + 8 * w, _mm256_fmadd_ps(weight, _mm256_loadu_ps(values + p * head_dim + i + 8 * w),
+                _mm256_storeu_ps(out + 8 * w, _mm256_fmadd_ps(weight, load_kv8(values, p * head_dim + i + 8 * w, HALF),
                                                               _mm256_loadu_ps(out + 8 * w)));
         }
     }
 }
 
-#define SCORES_CASE(Q) case Q: scores_of_tile(queries, keys, from, to, head_dim, scaling, Q); break;
-#define SUMS_CASE(Q, W) case 8 * Q + W: sums_of_tile(queries, from, to, common, values, head_dim, i, Q, W); break;
-#define SUMS_CASES(Q) SUMS_CASE(Q, 1) SUMS_CASE(Q, 2) SUMS_CASE(Q, 4)
+#define SCORES_CASE(Q, H) case Q: scores_of_tile(queries, keys, from, to, head_dim, scaling, Q, H); break;
+#define SCORES_SWITCH(H) switch (count) { SCORES_CASE(1, H) SCORES_CASE(2, H) SCORES_CASE(3, H) SCORES_CASE(4, H) \
+                                          SCORES_CASE(5, H) SCORES_CASE(6, H) }
+#define SUMS_CASE(Q, W, H) case 8 * Q + W: sums_of_tile(queries, from, to, common, values, head_dim, i, Q, W, H); break;
+#define SUMS_CASES(Q, H) SUMS_CASE(Q, 1, H) SUMS_CASE(Q, 2, H) SUMS_CASE(Q, 4, H)
+#define SUMS_SWITCH(H) switch (8 * count + width) { SUMS_CASES(1, H) SUMS_CASES(2, H) SUMS_CASES(3, H) SUMS_CASES(4, H) \
+                                                    SUMS_CASES(5, H) SUMS_CASES(6, H) }
 
 /* Scores at positions from..to-1 (from a multiple of KEY_BLOCK), up to the end of to's block. */
-static inline void scores8(const struct query *queries, int count, const float *keys, int64_t from_position,
-                           int64_t to_position, int64_t head_dim, float scaling) {
+static inline void scores8(const struct query *queries, int count, const void *keys, int64_t from_position,
+                           int64_t to_position, int64_t head_dim, float scaling, int half) {
     const int64_t from = from_position / KEY_BLOCK, to = (to_position + KEY_BLOCK - 1) / KEY_BLOCK;
-    switch (count) { SCORES_CASE(1) SCORES_CASE(2) SCORES_CASE(3) SCORES_CASE(4) SCORES_CASE(5) SCORES_CASE(6) }
+    if (half) SCORES_SWITCH(1) else SCORES_SWITCH(0)
 }
 
 /* Positions from..to-1 of each query's attended values (head_dim % 8 == 0). Few queries take 32 dimensions a
  * pass, more take 16 (their accumulators fill the registers either way). */
-static void weighted_sums8(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
-                           int64_t common, int64_t head_dim) {
+static void weighted_sums8(const struct query *queries, int count, const void *values, int64_t from, int64_t to,
+                           int64_t common, int64_t head_dim, int half) {
     for (int64_t i = 0; i < head_dim;) {
         int64_t left = (head_dim - i) / 8;
         int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        switch (8 * count + width) {
-            SUMS_CASES(1) SUMS_CASES(2) SUMS_CASES(3) SUMS_CASES(4) SUMS_CASES(5) SUMS_CASES(6)
-        }
+        if (half) SUMS_SWITCH(1) else SUMS_SWITCH(0)
         i += 8 * width;
     }
 }
@@ -1376,6 +1401,11 @@ static void weighted_sums8(const struct query *queries, int count, const float *
 #if LOCKSTEP_AVX512
 /* The same attention on 16 lanes: a key block's lanes in one vector for the scores; lane i is dimension (or
  * position) i for the sums and the exponential, whose total is added 8 lanes at a time in order. */
+static inline __m512 load_kv16(const void *kv, int64_t index, const int HALF) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + index)))
+                : _mm512_loadu_ps((const float *)kv + index);
+}
+
 static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
 static inline __m512 exp_avx512(__m512 x) {
@@ -1416,16 +1446,16 @@ static float exponentiate(float *scores, int64_t length) {
 }
 
 /* block_scores8 with a key block in one vector. */
-static inline __attribute__((always_inline)) void block_scores16(const struct query *queries, const float *keys,
+static inline __attribute__((always_inline)) void block_scores16(const struct query *queries, const void *keys,
                                                                  int64_t first, int64_t head_dim, float scaling,
-                                                                 const int Q, const int G) {
+                                                                 const int Q, const int G, const int HALF) {
     __m512 acc[TILE_QUERIES][8];
     for (int q = 0; q < Q; q++)
         for (int g = 0; g < G; g++) acc[q][g] = _mm512_setzero_ps();
-    const float *block = keys + first * KEY_BLOCK * head_dim;
+    const int64_t block = first * KEY_BLOCK * head_dim;
     for (int64_t d = 0; d < head_dim; d++) {
         __m512 k[8];
-        for (int g = 0; g < G; g++) k[g] = _mm512_loadu_ps(block + (g * head_dim + d) * KEY_BLOCK);
+        for (int g = 0; g < G; g++) k[g] = load_kv16(keys, block + (g * head_dim + d) * KEY_BLOCK, HALF);
         for (int q = 0; q < Q; q++) {
             __m512 x = _mm512_set1_ps(queries[q].q[d]);
             for (int g = 0; g < G; g++) acc[q][g] = _mm512_fmadd_ps(x, k[g], acc[q][g]);
@@ -1437,29 +1467,28 @@ static inline __attribute__((always_inline)) void block_scores16(const struct qu
 }
 
 /* Blocks from..to-1, G at a time: 8 for up to two queries, 4 for more (at most 24 accumulators). */
-static inline __attribute__((always_inline)) void scores_of_tile16(const struct query *queries, const float *keys,
+static inline __attribute__((always_inline)) void scores_of_tile16(const struct query *queries, const void *keys,
                                                                    int64_t from, int64_t to, int64_t head_dim,
-                                                                   float scaling, const int Q) {
+                                                                   float scaling, const int Q, const int HALF) {
     const int G = Q <= 2 ? 8 : 4;
     int64_t block = from;
-    for (; block + G <= to; block += G) block_scores16(queries, keys, block, head_dim, scaling, Q, G);
-    for (; block < to; block++) block_scores16(queries, keys, block, head_dim, scaling, Q, 1);
+    for (; block + G <= to; block += G) block_scores16(queries, keys, block, head_dim, scaling, Q, G, HALF);
+    for (; block < to; block++) block_scores16(queries, keys, block, head_dim, scaling, Q, 1, HALF);
 }
 
 /* sums_of_tile on 16 dimensions a vector. */
 static inline __attribute__((always_inline)) void sums_of_tile16(const struct query *queries, int64_t from,
-                                                                 int64_t to, int64_t common, const float *values,
+                                                                 int64_t to, int64_t common, const void *values,
                                                                  int64_t head_dim, int64_t i, const int Q,
-                                                                 const int WIDTH) {
+                                                                 const int WIDTH, const int HALF) {
     const int64_t shared_to = common < from ? from : common < to ? common : to;
     __m512 acc[TILE_QUERIES][4];
     for (int q = 0; q < Q; q++)
         for (int w = 0; w < WIDTH; w++)
             acc[q][w] = from ? _mm512_loadu_ps(queries[q].out + i + 16 * w) : _mm512_setzero_ps();
     for (int64_t p = from; p < shared_to; p++) {
-        const float *value = values + p * head_dim + i;
         __m512 v[4];
-        for (int w = 0; w < WIDTH; w++) v[w] = _mm512_loadu_ps(value + 16 * w);
+        for (int w = 0; w < WIDTH; w++) v[w] = load_kv16(values, p * head_dim + i + 16 * w, HALF);
         for (int q = 0; q < Q; q++) {
             __m512 weight = _mm512_set1_ps(queries[q].scores[p]);
             for (int w = 0; w < WIDTH; w++) acc[q][w] = _mm512_fmadd_ps(weight, v[w], acc[q][w]);
@@ -1473,50 +1502,50 @@ static inline __attribute__((always_inline)) void sums_of_tile16(const struct qu
         for (int64_t p = shared_to; p < own_to; p++) {
             __m512 weight = _mm512_set1_ps(queries[q].scores[p]);
             for (int w = 0; w < WIDTH; w++)
-                _mm512_storeu_ps(out + 16 * w, _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + p * head_dim + i + 16 * w),
+                _mm512_storeu_ps(out + 16 * w, _mm512_fmadd_ps(weight, load_kv16(values, p * head_dim + i + 16 * w, HALF),
                                                                _mm512_loadu_ps(out + 16 * w)));
         }
     }
 }
 
-#define SCORES16_CASE(Q) case Q: scores_of_tile16(queries, keys, from, to, head_dim, scaling, Q); break;
-#define SUMS16_CASE(Q, W) case 8 * Q + W: sums_of_tile16(queries, from, to, common, values, head_dim, i, Q, W); break;
-#define SUMS16_CASES(Q) SUMS16_CASE(Q, 1) SUMS16_CASE(Q, 2) SUMS16_CASE(Q, 4)
+#define SCORES16_CASE(Q, H) case Q: scores_of_tile16(queries, keys, from, to, head_dim, scaling, Q, H); break;
+#define SCORES16_SWITCH(H) switch (count) { SCORES16_CASE(1, H) SCORES16_CASE(2, H) SCORES16_CASE(3, H) \
+                                            SCORES16_CASE(4, H) SCORES16_CASE(5, H) SCORES16_CASE(6, H) }
+#define SUMS16_CASE(Q, W, H) case 8 * Q + W: sums_of_tile16(queries, from, to, common, values, head_dim, i, Q, W, H); break;
+#define SUMS16_CASES(Q, H) SUMS16_CASE(Q, 1, H) SUMS16_CASE(Q, 2, H) SUMS16_CASE(Q, 4, H)
+#define SUMS16_SWITCH(H) switch (8 * count + width) { SUMS16_CASES(1, H) SUMS16_CASES(2, H) SUMS16_CASES(3, H) \
+                                                      SUMS16_CASES(4, H) SUMS16_CASES(5, H) SUMS16_CASES(6, H) }
 
-static void scores(const struct query *queries, int count, const float *keys, int64_t from_position,
-                   int64_t to_position, int64_t head_dim, float scaling) {
+static void scores(const struct query *queries, int count, const void *keys, int64_t from_position,
+                   int64_t to_position, int64_t head_dim, float scaling, int half) {
     const int64_t from = from_position / KEY_BLOCK, to = (to_position + KEY_BLOCK - 1) / KEY_BLOCK;
-    switch (count) {
-        SCORES16_CASE(1) SCORES16_CASE(2) SCORES16_CASE(3) SCORES16_CASE(4) SCORES16_CASE(5) SCORES16_CASE(6)
-    }
+    if (half) SCORES16_SWITCH(1) else SCORES16_SWITCH(0)
 }
 
-static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
-                          int64_t common, int64_t head_dim) {
+static void weighted_sums(const struct query *queries, int count, const void *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim, int half) {
     if (head_dim % 16) {
-        weighted_sums8(queries, count, values, from, to, common, head_dim);
+        weighted_sums8(queries, count, values, from, to, common, head_dim, half);
         return;
     }
     for (int64_t i = 0; i < head_dim;) {
         int64_t left = (head_dim - i) / 16;
         int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        switch (8 * count + width) {
-            SUMS16_CASES(1) SUMS16_CASES(2) SUMS16_CASES(3) SUMS16_CASES(4) SUMS16_CASES(5) SUMS16_CASES(6)
-        }
+        if (half) SUMS16_SWITCH(1) else SUMS16_SWITCH(0)
         i += 16 * width;
     }
 }
 #else
 static float exponentiate(float *scores, int64_t length) { return exponentiate8(scores, length); }
 
-static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
-                   int64_t head_dim, float scaling) {
-    scores8(queries, count, keys, from, to, head_dim, scaling);
+static void scores(const struct query *queries, int count, const void *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling, int half) {
+    scores8(queries, count, keys, from, to, head_dim, scaling, half);
 }
 
-static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
-                          int64_t common, int64_t head_dim) {
-    weighted_sums8(queries, count, values, from, to, common, head_dim);
+static void weighted_sums(const struct query *queries, int count, const void *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim, int half) {
+    weighted_sums8(queries, count, values, from, to, common, head_dim, half);
 }
 #endif
 #else
@@ -1527,37 +1556,38 @@ static float exponentiate(float *scores, int64_t length) {
     return total;
 }
 
-static void scores(const struct query *queries, int count, const float *keys, int64_t from, int64_t to,
-                   int64_t head_dim, float scaling) {
+static void scores(const struct query *queries, int count, const void *keys, int64_t from, int64_t to,
+                   int64_t head_dim, float scaling, int half) {
     for (int q = 0; q < count; q++)
         for (int64_t p = from; p < to && p < queries[q].length; p++) {
             float sum = 0;
-            for (int64_t d = 0; d < head_dim; d++) sum += queries[q].q[d] * keys[key_offset(p, d, head_dim)];
+            for (int64_t d = 0; d < head_dim; d++) sum += queries[q].q[d] * load_kv(keys, key_offset(p, d, head_dim), half);
             queries[q].scores[p] = sum * scaling;
         }
 }
 
-static void weighted_sums(const struct query *queries, int count, const float *values, int64_t from, int64_t to,
-                          int64_t common, int64_t head_dim) {
+static void weighted_sums(const struct query *queries, int count, const void *values, int64_t from, int64_t to,
+                          int64_t common, int64_t head_dim, int half) {
     (void)common;
     for (int q = 0; q < count; q++) {
         float *out = queries[q].out;
         if (!from)
             for (int64_t i = 0; i < head_dim; i++) out[i] = 0;
         for (int64_t p = from; p < to && p < queries[q].length; p++)
-            for (int64_t i = 0; i < head_dim; i++) out[i] += queries[q].scores[p] * values[p * head_dim + i];
+            for (int64_t i = 0; i < head_dim; i++) out[i] += queries[q].scores[p] * load_kv(values, p * head_dim + i, half);
     }
 }
 #endif
 
 struct attention_job {
     const float *qkv; /* [rows, (heads + 2 kv_heads) * head_dim]: queries first */
-    const float *const *keys, *const *values; /* one layer's slots: slot s at keys[s], [kv_heads, capacities[s], head_dim] */
+    const void *const *keys, *const *values; /* one layer's slots: slot s at keys[s], [kv_heads, capacities[s], head_dim] */
     float *out;                 /* [rows, heads * head_dim] */
     const int64_t *slots, *lengths, *capacities;
     const int64_t *tiles, *chunks; /* tile t: rows tiles[t]..tiles[t + 1]-1; chunk c: tiles chunks[c].. */
     int64_t kv_heads, group, capacity, head_dim, qkv_width; /* capacity: the largest slot's */
     float scaling;
+    int half;       /* keys and values in float16 (else float32) */
     float *scratch; /* capacity + KEY_BLOCK floats per row and query head */
 };
 
@@ -1602,7 +1632,8 @@ static void attention_unit(const void *context, int64_t unit) {
     const struct attention_job *job = context;
     const int64_t chunk = unit / job->kv_heads, kv_head = unit % job->kv_heads, head_dim = job->head_dim;
     const int64_t slot = job->slots[job->tiles[job->chunks[chunk]]], at = kv_head * job->capacities[slot] * head_dim;
-    const float *keys = job->keys[slot] + at, *values = job->values[slot] + at;
+    const int64_t bytes = job->half ? 2 : 4;
+    const void *keys = (const char *)job->keys[slot] + at * bytes, *values = (const char *)job->values[slot] + at * bytes;
     struct query_set sets[MAX_SETS];
     const int count = query_sets(job, chunk, kv_head, sets);
     int64_t longest = 0;
@@ -1611,7 +1642,7 @@ static void attention_unit(const void *context, int64_t unit) {
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest) {
                 int64_t to = from + POSITION_BLOCK < sets[s].longest ? from + POSITION_BLOCK : sets[s].longest;
-                scores(sets[s].queries, sets[s].count, keys, from, to, head_dim, job->scaling);
+                scores(sets[s].queries, sets[s].count, keys, from, to, head_dim, job->scaling, job->half);
             }
     for (int s = 0; s < count; s++)
         for (int q = 0; q < sets[s].count; q++) {
@@ -1624,7 +1655,7 @@ static void attention_unit(const void *context, int64_t unit) {
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest)
                 weighted_sums(sets[s].queries, sets[s].count, values, from, from + POSITION_BLOCK, sets[s].common,
-                              head_dim);
+                              head_dim, job->half);
 }
 
 /* Tiles of the rows (neighbouring positions of one slot, up to TILE_QUERIES query heads each) and chunks of the
@@ -1669,13 +1700,14 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
  * (Q4_1, or Q4_1_X8; then the lm_head may be Q8_0_X8).
  * weights: 6 per layer (input norm f32, q/k/v Q4_1, output Q4_1, post-attention norm f32, gate/up Q4_1, down Q4_1),
  * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
- * s, that slot's float32 cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]). hidden: [rows,
+ * s, that slot's cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]; keys in blocks, key_offset),
+ * float32 with exact, float16 without. hidden: [rows,
  * hidden] float32, updated in place; row r writes and attends in slot slots[r], at position positions[r] (it sees
  * positions 0..positions[r]), rotated by cos, sin [rows, head_dim]; logits: [logit_count, vocabulary]; exact: as
  * for lockstep_q4_linear. Returns 0, -1 if scratch memory could not be had, -2 for an interleaved format where it
  * cannot run. Rows of one slot must be in order of position. */
 int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const float *eps,
-                        float *const *keys, float *const *values, const int64_t *capacities, float *hidden,
+                        void *const *keys, void *const *values, const int64_t *capacities, float *hidden,
                         int64_t rows, const int64_t *slots, const int64_t *positions, const float *cos,
                         const float *sin, float scaling, float *logits, const int64_t *logit_rows,
                         int64_t logit_count, int helpers, int exact) {
@@ -1684,7 +1716,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     int64_t capacity = 0; /* the largest slot's: the scores' stride */
     for (int64_t s = 0; s < slot_count; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
     const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
-    const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim;
+    const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim, kv_bytes = exact ? 4 : 2;
     if (!x8_runs(layer_format, qkv_width) || !x8_runs(layer_format, width) ||
         !x8_runs(layer_format, 2 * intermediate) || !x8_runs(lm_head_format, vocabulary))
         return -2;
@@ -1717,17 +1749,22 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
             rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
             const int64_t slot = layer * slot_count + slots[r];
             for (int64_t h = 0; h < kv_heads; h++) {
-                int64_t at = (h * capacities[slots[r]] + positions[r]) * head_dim;
-                float *key = keys[slot] + h * capacities[slots[r]] * head_dim;
-                for (int64_t d = 0; d < head_dim; d++)
-                    key[key_offset(positions[r], d, head_dim)] = token[(heads + h) * head_dim + d];
-                memcpy(values[slot] + at, token + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
+                const int64_t head = h * capacities[slots[r]] * head_dim, at = head + positions[r] * head_dim;
+                /* a new key block: the scores read all its lanes, so those not written yet must hold numbers (what
+                 * memory held may be subnormal, which is slow, or NaN) */
+                if (positions[r] % KEY_BLOCK == 0) memset((char *)keys[slot] + at * kv_bytes, 0, KEY_BLOCK * head_dim * kv_bytes);
+                for (int64_t d = 0; d < head_dim; d++) {
+                    store_kv(keys[slot], head + key_offset(positions[r], d, head_dim), token[(heads + h) * head_dim + d],
+                             !exact);
+                    store_kv(values[slot], at + d, token[(heads + kv_heads + h) * head_dim + d], !exact);
+                }
             }
         }
-        struct attention_job attention = {qkv,      (const float *const *)keys + layer * slot_count,
-                                          (const float *const *)values + layer * slot_count,
+        struct attention_job attention = {qkv,      (const void *const *)keys + layer * slot_count,
+                                          (const void *const *)values + layer * slot_count,
                                           attended, slots,     lengths,   capacities, tiles,    chunks,
-                                          kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, scratch};
+                                          kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, !exact,
+                                          scratch};
         run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
         matmul(shared, attended, quantized, w[2], layer_format, projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
