@@ -68,8 +68,8 @@ class EngineConfig:
     kernel_helper_rows: int = 16
     # Keys and values of past prompts and answers kept for requests that start with the same tokens (the next
     # turn of a chat): hf on the 4-bit path, where a resumed prompt computes the same bits (prefix_cache.py);
-    # vLLM: its own automatic prefix caching. At most prefix_cache_tokens positions (hf: ~46 KB each for the
-    # embedded model, so ~750 MB at the default), least recently used first out, and never more than the running
+    # vLLM: its own automatic prefix caching. At most prefix_cache_tokens positions (hf: ~23 KB each for the
+    # embedded model in float16, so ~375 MB at the default; twice that in the exact mode's float32), least recently used first out, and never more than the running
     # rows and prompts leave of max_batch_kv_tokens (the worker's one KV budget).
     prefix_cache: bool = True
     prefix_cache_tokens: int = 16384
