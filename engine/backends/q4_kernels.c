@@ -1229,7 +1229,7 @@ static void rotate_heads(float *token, int64_t heads, int64_t head_dim, const fl
 #define KEY_BLOCK 16
 #define TILE_QUERIES 6
 #define CHUNK_TILES 8
-#define POSITION_BLOCK 256
+#define POSITION_BLOCK 128
 
 struct query {
     const float *q;  /* [head_dim] */
@@ -1282,15 +1282,26 @@ static inline __m256 exp_avx2(__m256 x) {
     return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
 }
 
+/* The largest of scores[0..padded) (padded % 8 == 0), four vectors at a time: a maximum is the same in any order. */
+static inline float maximum8(const float *scores, int64_t padded) {
+    __m256 maxima[4];
+    for (int i = 0; i < 4; i++) maxima[i] = _mm256_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 32 <= padded; p += 32)
+        for (int i = 0; i < 4; i++) maxima[i] = _mm256_max_ps(maxima[i], _mm256_loadu_ps(scores + p + 8 * i));
+    for (; p < padded; p += 8) maxima[0] = _mm256_max_ps(maxima[0], _mm256_loadu_ps(scores + p));
+    __m256 all = _mm256_max_ps(_mm256_max_ps(maxima[0], maxima[1]), _mm256_max_ps(maxima[2], maxima[3]));
+    float lanes[8], maximum = -INFINITY;
+    _mm256_storeu_ps(lanes, all);
+    for (int i = 0; i < 8; i++) maximum = lanes[i] > maximum ? lanes[i] : maximum;
+    return maximum;
+}
+
 /* scores[0..length) -> exp(score - max), padded with zeros to a multiple of 8; returns their sum. */
 static inline float exponentiate8(float *scores, int64_t length) {
     int64_t padded = (length + 7) / 8 * 8;
     for (int64_t p = length; p < padded; p++) scores[p] = -INFINITY;
-    __m256 maxima = _mm256_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < padded; p += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(scores + p));
-    float lanes[8], maximum = -INFINITY;
-    _mm256_storeu_ps(lanes, maxima);
-    for (int i = 0; i < 8; i++) maximum = lanes[i] > maximum ? lanes[i] : maximum;
+    const float maximum = maximum8(scores, padded);
     __m256 top = _mm256_set1_ps(maximum), total = _mm256_setzero_ps();
     for (int64_t p = 0; p < padded; p += 8) {
         __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top));
@@ -1425,11 +1436,7 @@ static inline __m512 exp_avx512(__m512 x) {
 static float exponentiate(float *scores, int64_t length) {
     int64_t padded = (length + 7) / 8 * 8;
     for (int64_t p = length; p < padded; p++) scores[p] = -INFINITY;
-    __m256 maxima = _mm256_set1_ps(-INFINITY);
-    for (int64_t p = 0; p < padded; p += 8) maxima = _mm256_max_ps(maxima, _mm256_loadu_ps(scores + p));
-    float lanes[8], maximum = -INFINITY;
-    _mm256_storeu_ps(lanes, maxima);
-    for (int i = 0; i < 8; i++) maximum = lanes[i] > maximum ? lanes[i] : maximum;
+    const float maximum = maximum8(scores, padded);
     __m256 total = _mm256_setzero_ps();
     int64_t p = 0;
     for (; p + 16 <= padded; p += 16) {
@@ -1530,7 +1537,7 @@ static void weighted_sums(const struct query *queries, int count, const void *va
     }
     for (int64_t i = 0; i < head_dim;) {
         int64_t left = (head_dim - i) / 16;
-        int width = count <= 3 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        int width = left >= 4 ? 4 : left >= 2 ? 2 : 1;
         if (half) SUMS16_SWITCH(1) else SUMS16_SWITCH(0)
         i += 16 * width;
     }
@@ -1627,6 +1634,29 @@ static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv
     return count;
 }
 
+static float *thread_floats(int64_t count) {
+    static __thread float *memory;
+    static __thread int64_t held;
+    if (count > held) {
+        free(memory);
+        memory = aligned_alloc(64, (size_t)(count * 4 + 63) / 64 * 64);
+        held = memory ? count : 0;
+    }
+    return memory;
+}
+
+/* Positions from..to-1 of a float16 cache (keys or values: head_dim elements a position, contiguous) into
+ * `floats` at the same indices, exactly. */
+static void as_floats(const void *kv, int64_t from, int64_t to, int64_t head_dim, float *floats) {
+    const uint16_t *half = kv;
+    int64_t i = from * head_dim;
+#if LOCKSTEP_AVX2
+    for (; i + 8 <= to * head_dim; i += 8)
+        _mm256_storeu_ps(floats + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
+#endif
+    for (; i < to * head_dim; i++) floats[i] = half_to_float(half[i]);
+}
+
 /* One (chunk, KV head) unit: softmax(q . k * scaling) . v for each query head of the chunk's rows. */
 static void attention_unit(const void *context, int64_t unit) {
     const struct attention_job *job = context;
@@ -1638,12 +1668,19 @@ static void attention_unit(const void *context, int64_t unit) {
     const int count = query_sets(job, chunk, kv_head, sets);
     int64_t longest = 0;
     for (int s = 0; s < count; s++) longest = sets[s].longest > longest ? sets[s].longest : longest;
-    for (int64_t from = 0; from < longest; from += POSITION_BLOCK)
+    /* float16 read by several sets: each position block converted once (exactly) for all of them */
+    const int64_t blocked = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    float *floats = job->half && count > 1 ? thread_floats(blocked * head_dim) : NULL;
+    for (int64_t from = 0; from < longest; from += POSITION_BLOCK) {
+        int64_t end = from + POSITION_BLOCK < blocked ? from + POSITION_BLOCK : blocked;
+        if (floats) as_floats(keys, from, end, head_dim, floats);
+        const void *block_keys = floats ? floats : keys;
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest) {
                 int64_t to = from + POSITION_BLOCK < sets[s].longest ? from + POSITION_BLOCK : sets[s].longest;
-                scores(sets[s].queries, sets[s].count, keys, from, to, head_dim, job->scaling, job->half);
+                scores(sets[s].queries, sets[s].count, block_keys, from, to, head_dim, job->scaling, floats ? 0 : job->half);
             }
+    }
     for (int s = 0; s < count; s++)
         for (int q = 0; q < sets[s].count; q++) {
             float *weights = sets[s].queries[q].scores;
@@ -1651,11 +1688,15 @@ static void attention_unit(const void *context, int64_t unit) {
             float inverse = 1.0f / exponentiate(weights, length);
             for (int64_t p = 0; p < length; p++) weights[p] *= inverse;
         }
-    for (int64_t from = 0; from < longest; from += POSITION_BLOCK)
+    for (int64_t from = 0; from < longest; from += POSITION_BLOCK) {
+        int64_t end = from + POSITION_BLOCK < longest ? from + POSITION_BLOCK : longest;
+        if (floats) as_floats(values, from, end, head_dim, floats);
+        const void *block_values = floats ? floats : values;
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest)
-                weighted_sums(sets[s].queries, sets[s].count, values, from, from + POSITION_BLOCK, sets[s].common,
-                              head_dim, job->half);
+                weighted_sums(sets[s].queries, sets[s].count, block_values, from, from + POSITION_BLOCK, sets[s].common,
+                              head_dim, floats ? 0 : job->half);
+    }
 }
 
 /* Tiles of the rows (neighbouring positions of one slot, up to TILE_QUERIES query heads each) and chunks of the
