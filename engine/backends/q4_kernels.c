@@ -157,10 +157,11 @@ struct quantized_x {
     int64_t m, m8, k;
 };
 
-#if LOCKSTEP_AVX2
-/* The loop below on one block, 8 lanes at a time: the same scale (a maximum in any order), the same rounding (to
- * nearest even, as nearbyintf) and the same integer total, so the same numbers. */
+/* 32 activations rounded to 8 bits: the scale d = max |x| / 127, each x / d to the nearest integer (ties to even),
+ * and d * their sum (for Q4_1's minimum). AVX2 takes 8 lanes at a time with the same numbers (a maximum in any
+ * order, the same rounding, an integer total). */
 static inline void quantize_block(const float *xs, int8_t *q, float *scale, float *sum) {
+#if LOCKSTEP_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xs + 8 * i)));
@@ -171,18 +172,24 @@ static inline void quantize_block(const float *xs, int8_t *q, float *scale, floa
     __m256i n[4];
     for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
     __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-    __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xD8);
-    __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xD8);
-    __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
-    _mm256_storeu_si256((__m256i *)q, bytes);
+    /* packs work within 128-bit lanes: each permute puts the 64-bit quarters back in order */
+    __m256i low = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[0], n[1]), 0xD8);
+    __m256i high = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2], n[3]), 0xD8);
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi16(low, high), 0xD8));
     int32_t parts[8];
     _mm256_storeu_si256((__m256i *)parts, total);
     int all = 0;
     for (int i = 0; i < 8; i++) all += parts[i];
+#else
+    float top = 0;
+    for (int j = 0; j < BLOCK; j++) top = fabsf(xs[j]) > top ? fabsf(xs[j]) : top;
+    const float d = top / 127.0f, inverse = d ? 1.0f / d : 0.0f;
+    int all = 0;
+    for (int j = 0; j < BLOCK; j++) all += q[j] = (int8_t)nearbyintf(xs[j] * inverse);
+#endif
     *scale = d;
     *sum = d * (float)all;
 }
-#endif
 
 static void quantize_rows(const float *x, struct quantized_x *out) {
     const int64_t blocks = out->k / BLOCK;
@@ -198,21 +205,9 @@ static void quantize_rows(const float *x, struct quantized_x *out) {
         return;
     }
     for (int64_t r = 0; r < out->m; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xs = x + r * out->k + b * BLOCK;
-#if LOCKSTEP_AVX2
-            quantize_block(xs, out->q + r * out->k + b * BLOCK, &out->scale[r * blocks + b], &out->sum[b * out->m8 + r]);
-            continue;
-#endif
-            float amax = 0;
-            for (int j = 0; j < BLOCK; j++) amax = fabsf(xs[j]) > amax ? fabsf(xs[j]) : amax;
-            float d = amax / 127.0f, inverse = d ? 1.0f / d : 0.0f;
-            int8_t *q = out->q + r * out->k + b * BLOCK;
-            int total = 0;
-            for (int j = 0; j < BLOCK; j++) total += q[j] = (int8_t)nearbyintf(xs[j] * inverse);
-            out->scale[r * blocks + b] = d;
-            out->sum[b * out->m8 + r] = d * (float)total;
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            quantize_block(x + r * out->k + b * BLOCK, out->q + r * out->k + b * BLOCK, &out->scale[r * blocks + b],
+                           &out->sum[b * out->m8 + r]);
 }
 
 #if LOCKSTEP_AVX2
