@@ -210,9 +210,12 @@ def test_the_backend_gives_the_same_tokens_with_the_models_own_forward(smol_mode
     assert fast == tokens(False)
 
 
-def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(smol_model_dir):
-    """The 4-bit path looks its rotary tables up per step instead of computing them: the same numbers for any
-    positions in any order and number, past the table's first size too (it grows), as the model's module gives."""
+def test_the_rotary_table_gives_the_modules_cos_and_sin_to_a_unit_in_the_last_place(smol_model_dir):
+    """The 4-bit path looks its rotary tables up per step instead of computing them: the module's angles, their
+    cos and sin correctly rounded (so the same numbers in every process), for any positions in any order and
+    number, past the table's first size too (it grows)."""
+    import math
+
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -224,5 +227,10 @@ def test_the_rotary_table_gives_the_modules_own_cos_and_sin_bit_for_bit(smol_mod
         cos, sin = table(positions)
         expected_cos, expected_sin = module(torch.empty((1, len(positions), 1)), positions[None])
         assert cos.is_contiguous() and cos.shape == (len(positions), expected_cos.shape[-1])
-        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+        ulp = torch.finfo(torch.float32).eps
+        assert (cos - expected_cos[0]).abs().max() <= ulp and (sin - expected_sin[0]).abs().max() <= ulp
+        angles = positions[:, None].float() * torch.cat([module.inv_freq, module.inv_freq]).float()
+        for cos_row, sin_row, row_angles in zip(cos.tolist(), sin.tolist(), angles.tolist()):
+            assert cos_row == [float(torch.tensor(math.cos(a), dtype=torch.float32)) for a in row_angles]
+            assert sin_row == [float(torch.tensor(math.sin(a), dtype=torch.float32)) for a in row_angles]
     assert len(table.cos) >= 8192

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -304,9 +305,9 @@ class FastDecoder:
 
 
 class RotaryTable:
-    """The model's rotary cos and sin of every position up to the longest seen, computed once by the model's own
-    rotary module (each entry is inv_freq * position, then its cos or sin: the same numbers however many positions
-    one call takes), then looked up per step instead of ~10 torch calls each time."""
+    """The model's rotary cos and sin of every position up to the longest seen, computed once (each entry is the
+    module's inv_freq * position, then its cos or sin, rounded to float32: the same numbers however many positions
+    one call takes, and in every process), then looked up per step instead of ~10 torch calls each time."""
 
     def __init__(self, rotary: nn.Module):
         self.rotary = rotary
@@ -324,11 +325,17 @@ class RotaryTable:
         return self.cos[positions], self.sin[positions]
 
     def _grow(self, num_positions: int) -> None:
+        """Angles inv_freq * position in float32, as the module's, then their cos and sin in float64 rounded to
+        float32 (within a unit in the last place of the module's float32 ones). The module's own cos of the same
+        angles came out different in about one process of ten (half the table's entries off in the last bits;
+        more often when computed in pieces), so a restart could change the 4-bit path's greedy answers."""
         size = max(2 * len(self.cos), 1024, num_positions)
-        every = torch.arange(size)
-        probe = torch.empty((1, size, 1), dtype=torch.float32)  # the module reads its dtype and device only
-        cos, sin = self.rotary(probe, every[None])
-        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        inv_freq = self.rotary.inv_freq.detach().float().cpu().numpy()
+        angles = np.arange(size, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 products, as torch's
+        angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
+        scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self.cos = torch.from_numpy(np.cos(angles).astype(np.float32) * np.float32(scaling)).contiguous()
+        self.sin = torch.from_numpy(np.sin(angles).astype(np.float32) * np.float32(scaling)).contiguous()
 
 
 def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:
