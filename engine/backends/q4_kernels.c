@@ -191,6 +191,19 @@ static inline void quantize_block(const float *xs, int8_t *q, float *scale, floa
     *sum = d * (float)all;
 }
 
+/* This thread's scratch memory (a matmul's panel, or the attention's keys and values in float32: never both at
+ * once), grown as needed and kept (the helper threads live as long as the process); NULL where it cannot be had. */
+static float *thread_panel(int64_t bytes) {
+    static __thread float *memory;
+    static __thread int64_t held;
+    if (bytes > held) {
+        free(memory);
+        memory = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        held = memory ? bytes : 0;
+    }
+    return memory;
+}
+
 static void quantize_rows(const float *x, struct quantized_x *out) {
     const int64_t blocks = out->k / BLOCK;
     memset(out->sum, 0, blocks * out->m8 * sizeof(float));
@@ -803,19 +816,6 @@ static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t
         if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
         else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
     }
-}
-
-/* This thread's panel memory, grown as needed and kept (the helper threads live as long as the process); NULL
- * where it cannot be had. */
-static float *thread_panel(int64_t bytes) {
-    static __thread float *memory;
-    static __thread int64_t held;
-    if (bytes > held) {
-        free(memory);
-        memory = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
-        held = memory ? bytes : 0;
-    }
-    return memory;
 }
 
 /* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on (EXACT_PANEL_ROWS_AVX512 on
@@ -1660,17 +1660,6 @@ static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv
     return count;
 }
 
-static float *thread_floats(int64_t count) {
-    static __thread float *memory;
-    static __thread int64_t held;
-    if (count > held) {
-        free(memory);
-        memory = aligned_alloc(64, (size_t)(count * 4 + 63) / 64 * 64);
-        held = memory ? count : 0;
-    }
-    return memory;
-}
-
 /* Positions from..to-1 of a float16 cache (keys or values: head_dim elements a position, contiguous) into
  * `floats` at the same indices, exactly. */
 static void as_floats(const void *kv, int64_t from, int64_t to, int64_t head_dim, float *floats) {
@@ -1696,7 +1685,7 @@ static void attention_unit(const void *context, int64_t unit) {
     for (int s = 0; s < count; s++) longest = sets[s].longest > longest ? sets[s].longest : longest;
     /* float16 read by several sets: each position block converted once (exactly) for all of them */
     const int64_t blocked = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-    float *floats = job->half && count > 1 ? thread_floats(blocked * head_dim) : NULL;
+    float *floats = job->half && count > 1 ? thread_panel(blocked * head_dim * (int64_t)sizeof(float)) : NULL;
     for (int64_t from = 0; from < longest; from += POSITION_BLOCK) {
         int64_t end = from + POSITION_BLOCK < blocked ? from + POSITION_BLOCK : blocked;
         if (floats) as_floats(keys, from, end, head_dim, floats);
