@@ -210,10 +210,10 @@ def test_the_backend_gives_the_same_tokens_with_the_models_own_forward(smol_mode
     assert fast == tokens(False)
 
 
-def test_the_rotary_table_gives_the_modules_cos_and_sin_to_a_unit_in_the_last_place(smol_model_dir):
+def test_the_rotary_table_is_the_correctly_rounded_cos_and_sin_of_the_modules_angles(smol_model_dir):
     """The 4-bit path looks its rotary tables up per step instead of computing them: the module's angles, their
-    cos and sin correctly rounded (so the same numbers in every process), for any positions in any order and
-    number, past the table's first size too (it grows)."""
+    cos and sin correctly rounded (so the same numbers in every process, and within float32's epsilon of the
+    module's own), for any positions in any order and number, past the table's first size too (it grows)."""
     import math
 
     from transformers import AutoConfig
