@@ -69,8 +69,9 @@ class EngineConfig:
     # Keys and values of past prompts and answers kept for requests that start with the same tokens (the next
     # turn of a chat): hf on the 4-bit path, where a resumed prompt computes the same bits (prefix_cache.py);
     # vLLM: its own automatic prefix caching. At most prefix_cache_tokens positions (hf: ~23 KB each for the
-    # embedded model in float16, so ~375 MB at the default; twice that in the exact mode's float32), least recently used first out, and never more than the running
-    # rows and prompts leave of max_batch_kv_tokens (the worker's one KV budget).
+    # embedded model in float16, so ~375 MB at the default; twice that in the exact mode's float32), least
+    # recently used first out, and never more than the running rows and prompts leave of max_batch_kv_tokens (the
+    # worker's one KV budget).
     prefix_cache: bool = True
     prefix_cache_tokens: int = 16384
     vllm_cpu_batched_tokens: int = 64  # vLLM on CPU: tokens per step (decode + prefill chunks); bounds the gap

@@ -1663,13 +1663,11 @@ static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv
 /* Positions from..to-1 of a float16 cache (keys or values: head_dim elements a position, contiguous) into
  * `floats` at the same indices, exactly. */
 static void as_floats(const void *kv, int64_t from, int64_t to, int64_t head_dim, float *floats) {
-    const uint16_t *half = kv;
     int64_t i = from * head_dim;
 #if LOCKSTEP_AVX2
-    for (; i + 8 <= to * head_dim; i += 8)
-        _mm256_storeu_ps(floats + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
+    for (; i + 8 <= to * head_dim; i += 8) _mm256_storeu_ps(floats + i, load_kv8(kv, i, 1));
 #endif
-    for (; i < to * head_dim; i++) floats[i] = half_to_float(half[i]);
+    for (; i < to * head_dim; i++) floats[i] = load_kv(kv, i, 1);
 }
 
 /* One (chunk, KV head) unit: softmax(q . k * scaling) . v for each query head of the chunk's rows. */
@@ -1686,6 +1684,7 @@ static void attention_unit(const void *context, int64_t unit) {
     /* float16 read by several sets: each position block converted once (exactly) for all of them */
     const int64_t blocked = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
     float *floats = job->half && count > 1 ? thread_panel(blocked * head_dim * (int64_t)sizeof(float)) : NULL;
+    const int half = job->half && !floats; /* what the kernels below read: the cache, or its floats */
     for (int64_t from = 0; from < longest; from += POSITION_BLOCK) {
         int64_t end = from + POSITION_BLOCK < blocked ? from + POSITION_BLOCK : blocked;
         if (floats) as_floats(keys, from, end, head_dim, floats);
@@ -1693,7 +1692,7 @@ static void attention_unit(const void *context, int64_t unit) {
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest) {
                 int64_t to = from + POSITION_BLOCK < sets[s].longest ? from + POSITION_BLOCK : sets[s].longest;
-                scores(sets[s].queries, sets[s].count, block_keys, from, to, head_dim, job->scaling, floats ? 0 : job->half);
+                scores(sets[s].queries, sets[s].count, block_keys, from, to, head_dim, job->scaling, half);
             }
     }
     for (int s = 0; s < count; s++)
@@ -1710,7 +1709,7 @@ static void attention_unit(const void *context, int64_t unit) {
         for (int s = 0; s < count; s++)
             if (from < sets[s].longest)
                 weighted_sums(sets[s].queries, sets[s].count, block_values, from, from + POSITION_BLOCK, sets[s].common,
-                              head_dim, floats ? 0 : job->half);
+                              head_dim, half);
     }
 }
 
