@@ -543,6 +543,7 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
 /* On AVX-512 from this many: its 4-row tiles straight from the blocks were as fast as a panel up to 8 rows and
  * faster where the panel outgrows L1 (K = 1,536: 98 KB), slower from 16 rows where it fits (K = 576). */
 #define EXACT_PANEL_ROWS_AVX512 9
+#define PANEL_GROUPS (LOCKSTEP_AVX512 ? 4 : 2) /* groups of 8 columns a float32 panel holds at most */
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
 /* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
@@ -710,38 +711,58 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
         for (int p = 0; p < PAIRS; p++) _mm512_storeu_ps(out + r * n + 16 * p, acc[r][p]);
 }
 
-/* dequantize_panel of two groups: the same floats in the same [K][2][8] layout. */
+/* dequantize_panel of PAIRS pairs of groups: the same floats, laid out [K][PAIRS][16]. */
 static inline __attribute__((always_inline)) void dequantize_panel16(const uint8_t *group, int64_t group_bytes,
-                                                                     int64_t k, float *panel, const int FORMAT) {
+                                                                     int64_t k, float *panel, const int FORMAT,
+                                                                     const int PAIRS) {
     const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    for (int64_t b = 0; b < k / BLOCK; b++) {
-        __m512i packed[8];
-        __m512 d, m;
-        x16_block(group + b * bytes, group + group_bytes + b * bytes, packed, &d, &m, FORMAT);
+    for (int64_t b = 0; b < k / BLOCK; b++)
         UNROLLED
-        for (int position = 0; position < BLOCK; position++)
-            _mm512_store_ps(panel + (b * BLOCK + position) * 16, x16_weights(packed, position, d, m, FORMAT));
-    }
+        for (int p = 0; p < PAIRS; p++) {
+            __m512i packed[8];
+            __m512 d, m;
+            const uint8_t *g = group + 2 * p * group_bytes + b * bytes;
+            x16_block(g, g + group_bytes, packed, &d, &m, FORMAT);
+            UNROLLED
+            for (int position = 0; position < BLOCK; position++)
+                _mm512_store_ps(panel + ((b * BLOCK + position) * PAIRS + p) * 16,
+                                x16_weights(packed, position, d, m, FORMAT));
+        }
 }
 
-/* exact_panel_tile over a two-group panel: one 16-lane accumulator per row, the same chain per output. */
+/* Rows of a tile over a 32-column panel: 16 accumulators of AVX-512's 32 registers, each broadcast feeding two
+ * FMAs (a 16-column panel's 6-row tiles took one load per FMA; on Zen 5 a step's exact matmuls at 16 rows took
+ * -18%, at 64 rows -20%; 12-row tiles were slower at 160 rows). */
+#define EXACT_ROW_TILE16 8
+/* exact_panel_tile over a panel of PAIRS pairs of groups: per position one load per pair, then per row one
+ * broadcast and one FMA per pair into that output's accumulator; the same chain per output. */
 static inline __attribute__((always_inline)) void exact_panel_tile16(const struct quantized_x *x, int64_t row,
                                                                      const float *panel, float *out, int64_t n,
-                                                                     const int ROWS) {
-    __m512 acc[EXACT_ROW_TILE];
+                                                                     const int ROWS, const int PAIRS) {
+    __m512 acc[EXACT_ROW_TILE16][2];
     UNROLLED
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; r++)
+        UNROLLED
+        for (int p = 0; p < PAIRS; p++) acc[r][p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->k / BLOCK; b++) {
-        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * 16;
+        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * PAIRS * 16;
         _Pragma("GCC unroll 4")
         for (int position = 0; position < BLOCK; position++) {
-            __m512 w = _mm512_load_ps(ws + position * 16);
+            __m512 w[2];
             UNROLLED
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[r * x->k + position]), acc[r]);
+            for (int p = 0; p < PAIRS; p++) w[p] = _mm512_load_ps(ws + (position * PAIRS + p) * 16);
+            UNROLLED
+            for (int r = 0; r < ROWS; r++) {
+                const __m512 activation = _mm512_set1_ps(xs[r * x->k + position]);
+                UNROLLED
+                for (int p = 0; p < PAIRS; p++) acc[r][p] = _mm512_fmadd_ps(w[p], activation, acc[r][p]);
+            }
         }
     }
     UNROLLED
-    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, acc[r]);
+    for (int r = 0; r < ROWS; r++)
+        UNROLLED
+        for (int p = 0; p < PAIRS; p++) _mm512_storeu_ps(out + r * n + 16 * p, acc[r][p]);
 }
 
 typedef void (*rows16_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *, int64_t);
@@ -760,12 +781,13 @@ ROW_TILES16_FN(FORMAT_Q4_1_X8) ROW_TILES16_FN(FORMAT_Q8_0_X8)
 #define EXACT_ROWS16 4
 static const rows16_fn ROW_TILES16[2][EXACT_ROWS16 + 1][3] = {ROW_TILES16_OF(FORMAT_Q4_1_X8),
                                                                ROW_TILES16_OF(FORMAT_Q8_0_X8)};
-#define PANEL_TILE16(R)                                                                                             \
-    static void panel_tile16_##R(const struct quantized_x *x, int64_t row, const float *panel, float *out,          \
-                                 int64_t n) {                                                                       \
-        exact_panel_tile16(x, row, panel, out, n, R);                                                               \
+#define PANEL_TILE16(R, P)                                                                                          \
+    static void panel_tile16_##R##_##P(const struct quantized_x *x, int64_t row, const float *panel, float *out,    \
+                                       int64_t n) {                                                                 \
+        exact_panel_tile16(x, row, panel, out, n, R, P);                                                            \
     }
-PANEL_TILE16(3) PANEL_TILE16(4) PANEL_TILE16(5) PANEL_TILE16(6)
+PANEL_TILE16(3, 1) PANEL_TILE16(4, 1) PANEL_TILE16(5, 1) PANEL_TILE16(6, 1) PANEL_TILE16(7, 1) PANEL_TILE16(8, 1)
+PANEL_TILE16(3, 2) PANEL_TILE16(4, 2) PANEL_TILE16(5, 2) PANEL_TILE16(6, 2) PANEL_TILE16(7, 2) PANEL_TILE16(8, 2)
 #endif
 
 typedef void (*row_fn)(const struct quantized_x *, int64_t, const uint8_t *, int64_t, float *);
@@ -790,22 +812,37 @@ PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
 #if !LOCKSTEP_AVX512 /* AVX-512 computes a two-group panel 16 lanes at a time (panel_tile16) */
 PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
 #endif
+#if LOCKSTEP_AVX512
+/* A lone group (a unit's last 8 columns) by rows; wider panels go by PANEL_TILES16. */
+static const panel_fn PANEL_TILES[2][EXACT_ROW_TILE + 1] = {
+    {0}, {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1}};
+/* By pairs of groups (16 or 32 columns) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE16). */
+static const panel_fn PANEL_TILES16[3][EXACT_ROW_TILE16 + 1] = {
+    {0},
+    {0, 0, 0, panel_tile16_3_1, panel_tile16_4_1, panel_tile16_5_1, panel_tile16_6_1, panel_tile16_7_1,
+     panel_tile16_8_1},
+    {0, 0, 0, panel_tile16_3_2, panel_tile16_4_2, panel_tile16_5_2, panel_tile16_6_2, panel_tile16_7_2,
+     panel_tile16_8_2}};
+#else
 /* By groups of 8 columns (two, or one at a unit's end) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE). */
 static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
     {0},
     {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1},
-#if LOCKSTEP_AVX512
-    {0, 0, 0, panel_tile16_3, panel_tile16_4, panel_tile16_5, panel_tile16_6}};
-#else
     {0, 0, 0, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2}};
 #endif
 
 static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
                               int groups) {
 #if LOCKSTEP_AVX512
-    if (groups == 2) {
-        if (format == FORMAT_Q4_1_X8) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8);
-        else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8);
+    if (groups == 4 || groups == 2) {
+        const int pairs = groups / 2;
+        if (format == FORMAT_Q4_1_X8) {
+            if (pairs == 2) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
+            else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
+        } else {
+            if (pairs == 2) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
+            else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
+        }
         return;
     }
 #endif
@@ -819,12 +856,13 @@ static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t
 }
 
 /* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on (EXACT_PANEL_ROWS_AVX512 on
- * AVX-512), 16 columns at a time dequantized once into a panel (L1 or L2), then every row over it in tiles; fewer
- * rows (or no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with the same bits. */
+ * AVX-512), 16 columns at a time (32 on AVX-512) dequantized once into a panel (L1 or L2), then every row over it
+ * in tiles; fewer rows (or no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with
+ * the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
     const int64_t panel_rows = LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS;
-    float *panel = x->m < panel_rows ? NULL : thread_panel(x->k * 2 * 8 * (int64_t)sizeof(float));
+    float *panel = x->m < panel_rows ? NULL : thread_panel(x->k * PANEL_GROUPS * 8 * (int64_t)sizeof(float));
     if (!panel) {
 #if LOCKSTEP_AVX512
         for (int64_t r = 0, rows; r < x->m; r += rows) {
@@ -852,11 +890,22 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
         return;
     }
     for (int64_t c = first; c < last;) {
-        const int groups = last - c >= 16 ? 2 : 1;
+        const int groups = last - c >= 8 * PANEL_GROUPS ? PANEL_GROUPS : last - c >= 16 ? 2 : 1;
+#if LOCKSTEP_AVX512
+        const int64_t row_tile = groups > 1 ? EXACT_ROW_TILE16 : EXACT_ROW_TILE;
+#else
+        const int64_t row_tile = EXACT_ROW_TILE;
+#endif
         dequantize_groups(weight + c / 8 * group_bytes, group_bytes, x->k, panel, format, groups);
         for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
-            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE - 1) / EXACT_ROW_TILE;
+            const int64_t tiles_left = (x->m - r + row_tile - 1) / row_tile;
             rows = (x->m - r + tiles_left - 1) / tiles_left;
+#if LOCKSTEP_AVX512
+            if (groups > 1) {
+                PANEL_TILES16[groups / 2][rows](x, r, panel, out + r * n + c, n);
+                continue;
+            }
+#endif
             PANEL_TILES[groups][rows](x, r, panel, out + r * n + c, n);
         }
         c += 8 * groups;
