@@ -121,6 +121,26 @@ def test_the_matmul_on_the_models_blocks_within_its_bound_and_row_by_row(kernels
             assert torch.equal(alone.linear(x, weight), together)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("in_features", [32, 96, 160])
+def test_the_matmul_of_a_short_or_uneven_k_within_its_bound_and_row_by_row(kernels, gguf_model, in_features):
+    """A K shorter than a float32 panel's slice (4 blocks on AVX-512) or not a multiple of it: the panel still holds
+    its slice, and the sums carried from slice to slice give each row's bits alone."""
+    _, weights = gguf_model
+    generator = torch.Generator().manual_seed(in_features)
+    for whole in (weights.layers[0].gate_up, weights.lm_head):  # Q4_1 and Q8_0
+        row_bytes = whole.blocks.shape[1] * in_features // whole.in_features
+        plain = QuantizedWeight(whole.blocks[:72, :row_bytes].contiguous(), whole.format, 72, in_features)
+        weight = kernels.interleaved(plain)
+        for rows in (3, 9, 17):
+            x = torch.randn(rows, in_features, generator=generator) * 3
+            reference, bound = error_bound(x, plain.dequantized(), kernels.exact)
+            together = kernels.linear(x, weight)
+            assert bool(((together.double() - reference).abs() <= bound).all())
+            for row in range(rows):
+                assert torch.equal(kernels.linear(x[row:row + 1], weight), together[row:row + 1])
+
+
 def test_interleaving_regroups_the_same_bytes(kernels, gguf_model):
     _, weights = gguf_model
     for plain in (weights.layers[0].qkv, weights.lm_head):

@@ -539,11 +539,9 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
 }
 #endif
 
-#define EXACT_PANEL_ROWS 3 /* from this many rows on, a call dequantizes its columns once into a panel */
-/* On AVX-512 from this many: its 4-row tiles straight from the blocks were as fast as a panel up to 8 rows and
- * faster where the panel outgrows L1 (K = 1,536: 98 KB), slower from 16 rows where it fits (K = 576). */
-#define EXACT_PANEL_ROWS_AVX512 9
-#define PANEL_GROUPS (LOCKSTEP_AVX512 ? 4 : 2) /* groups of 8 columns a float32 panel holds at most */
+/* From this many rows on, a call dequantizes its columns once into a panel (on AVX-512 once a slice of K: there,
+ * with the slices, a panel from 3 rows on beat 4-row tiles straight from the blocks, 4 rows -9%, 8 rows -30%). */
+#define EXACT_PANEL_ROWS 3
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
 /* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
@@ -713,10 +711,11 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
 
 /* dequantize_panel of PAIRS pairs of groups: the same floats, laid out [K][PAIRS][16]. */
 static inline __attribute__((always_inline)) void dequantize_panel16(const uint8_t *group, int64_t group_bytes,
-                                                                     int64_t k, float *panel, const int FORMAT,
-                                                                     const int PAIRS) {
+                                                                     int64_t from, int64_t to, float *panel,
+                                                                     const int FORMAT, const int PAIRS) {
     const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    for (int64_t b = 0; b < k / BLOCK; b++)
+    group += from * bytes;
+    for (int64_t b = 0; b < to - from; b++)
         UNROLLED
         for (int p = 0; p < PAIRS; p++) {
             __m512i packed[8];
@@ -734,18 +733,23 @@ static inline __attribute__((always_inline)) void dequantize_panel16(const uint8
  * FMAs (a 16-column panel's 6-row tiles took one load per FMA; on Zen 5 a step's exact matmuls at 16 rows took
  * -18%, at 64 rows -20%; 12-row tiles were slower at 160 rows). */
 #define EXACT_ROW_TILE16 8
+/* Blocks of K a 32-column panel holds (16 KB: it stays in L1 between its row tiles; a whole K's panel, 74-196 KB,
+ * was written to L2 and read back per tile). 2 and 8 were no faster. */
+#define SLICE_BLOCKS 4
 /* exact_panel_tile over a panel of PAIRS pairs of groups: per position one load per pair, then per row one
  * broadcast and one FMA per pair into that output's accumulator; the same chain per output. */
 static inline __attribute__((always_inline)) void exact_panel_tile16(const struct quantized_x *x, int64_t row,
-                                                                     const float *panel, float *out, int64_t n,
-                                                                     const int ROWS, const int PAIRS) {
+                                                                     const float *panel, int64_t from, int64_t to,
+                                                                     float *out, int64_t n, const int ROWS,
+                                                                     const int PAIRS) {
     __m512 acc[EXACT_ROW_TILE16][2];
     UNROLLED
     for (int r = 0; r < ROWS; r++)
         UNROLLED
-        for (int p = 0; p < PAIRS; p++) acc[r][p] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < x->k / BLOCK; b++) {
-        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * PAIRS * 16;
+        for (int p = 0; p < PAIRS; p++)
+            acc[r][p] = from ? _mm512_loadu_ps(out + r * n + 16 * p) : _mm512_setzero_ps();
+    for (int64_t b = from; b < to; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + (b - from) * BLOCK * PAIRS * 16;
         _Pragma("GCC unroll 4")
         for (int position = 0; position < BLOCK; position++) {
             __m512 w[2];
@@ -782,9 +786,9 @@ ROW_TILES16_FN(FORMAT_Q4_1_X8) ROW_TILES16_FN(FORMAT_Q8_0_X8)
 static const rows16_fn ROW_TILES16[2][EXACT_ROWS16 + 1][3] = {ROW_TILES16_OF(FORMAT_Q4_1_X8),
                                                                ROW_TILES16_OF(FORMAT_Q8_0_X8)};
 #define PANEL_TILE16(R, P)                                                                                          \
-    static void panel_tile16_##R##_##P(const struct quantized_x *x, int64_t row, const float *panel, float *out,    \
-                                       int64_t n) {                                                                 \
-        exact_panel_tile16(x, row, panel, out, n, R, P);                                                            \
+    static void panel_tile16_##R##_##P(const struct quantized_x *x, int64_t row, const float *panel, int64_t from, \
+                                       int64_t to, float *out, int64_t n) {                                         \
+        exact_panel_tile16(x, row, panel, from, to, out, n, R, P);                                                  \
     }
 PANEL_TILE16(3, 1) PANEL_TILE16(4, 1) PANEL_TILE16(5, 1) PANEL_TILE16(6, 1) PANEL_TILE16(7, 1) PANEL_TILE16(8, 1)
 PANEL_TILE16(3, 2) PANEL_TILE16(4, 2) PANEL_TILE16(5, 2) PANEL_TILE16(6, 2) PANEL_TILE16(7, 2) PANEL_TILE16(8, 2)
@@ -817,7 +821,8 @@ PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
 static const panel_fn PANEL_TILES[2][EXACT_ROW_TILE + 1] = {
     {0}, {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1}};
 /* By pairs of groups (16 or 32 columns) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE16). */
-static const panel_fn PANEL_TILES16[3][EXACT_ROW_TILE16 + 1] = {
+typedef void (*panel16_fn)(const struct quantized_x *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+static const panel16_fn PANEL_TILES16[3][EXACT_ROW_TILE16 + 1] = {
     {0},
     {0, 0, 0, panel_tile16_3_1, panel_tile16_4_1, panel_tile16_5_1, panel_tile16_6_1, panel_tile16_7_1,
      panel_tile16_8_1},
@@ -833,19 +838,6 @@ static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
 
 static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
                               int groups) {
-#if LOCKSTEP_AVX512
-    if (groups == 4 || groups == 2) {
-        const int pairs = groups / 2;
-        if (format == FORMAT_Q4_1_X8) {
-            if (pairs == 2) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
-            else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
-        } else {
-            if (pairs == 2) dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
-            else dequantize_panel16(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
-        }
-        return;
-    }
-#endif
     if (format == FORMAT_Q4_1_X8) {
         if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
         else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
@@ -855,14 +847,66 @@ static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t
     }
 }
 
-/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on (EXACT_PANEL_ROWS_AVX512 on
- * AVX-512), 16 columns at a time (32 on AVX-512) dequantized once into a panel (L1 or L2), then every row over it
- * in tiles; fewer rows (or no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with
- * the same bits. */
+#if LOCKSTEP_AVX512
+static void dequantize_pairs(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, float *panel,
+                             int format, int pairs) {
+    if (format == FORMAT_Q4_1_X8) {
+        if (pairs == 2) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
+        else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
+    } else {
+        if (pairs == 2) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
+        else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
+    }
+}
+
+/* Blocks [from, to) of `groups` adjacent groups into L1: the slice after the one the tiles compute on. */
+static void prefetch_slice(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, int format,
+                           int groups) {
+    const int64_t bytes = format == FORMAT_Q8_0_X8 ? Q8_X8_GROUP_BYTES : X8_GROUP_BYTES;
+    for (int g = 0; g < groups; g++)
+        for (int64_t offset = from * bytes; offset < to * bytes; offset += 64)
+            _mm_prefetch((const char *)group + g * group_bytes + offset, _MM_HINT_T0);
+}
+
+/* Columns [c, c + 8 * groups) (2 or 4 groups) over every row, K a slice at a time: the slice dequantized into an
+ * L1 panel, then every row tile goes on from the sums the last slice left in `out`, so each output is still one
+ * chain of FMAs over K in order. The next slice's blocks are fetched while the tiles compute (a step's exact
+ * matmuls on Zen 5 at 16 rows: whole-K panels 19.1 ms, slices 17.4, slices fetched ahead 14.7). */
+static void exact_panel_columns16(const struct quantized_x *x, const uint8_t *weight, int format,
+                                  int64_t group_bytes, float *panel, float *out, int64_t n, int64_t c, int groups,
+                                  int64_t last) {
+    const int64_t blocks = x->k / BLOCK;
+    const uint8_t *group = weight + c / 8 * group_bytes;
+    for (int64_t from = 0; from < blocks; from += SLICE_BLOCKS) {
+        const int64_t to = from + SLICE_BLOCKS < blocks ? from + SLICE_BLOCKS : blocks;
+        dequantize_pairs(group, group_bytes, from, to, panel, format, groups / 2);
+        if (to < blocks)
+            prefetch_slice(group, group_bytes, to, to + SLICE_BLOCKS < blocks ? to + SLICE_BLOCKS : blocks, format,
+                           groups);
+        else if (c + 8 * groups < last) /* the next columns' first slice */
+            prefetch_slice(group + groups * group_bytes, group_bytes, 0, SLICE_BLOCKS < blocks ? SLICE_BLOCKS : blocks,
+                           format, (last - c) / 8 - groups < groups ? (int)((last - c) / 8 - groups) : groups);
+        for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 12 = 6 + 6 */
+            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE16 - 1) / EXACT_ROW_TILE16;
+            rows = (x->m - r + tiles_left - 1) / tiles_left;
+            PANEL_TILES16[groups / 2][rows](x, r, panel, from, to, out + r * n + c, n);
+        }
+    }
+}
+#endif
+
+/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on, dequantized once into a panel
+ * (L1 or L2), then every row over it in tiles (on AVX-512 32 columns and a slice of K at a time); fewer rows (or
+ * no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
-    const int64_t panel_rows = LOCKSTEP_AVX512 ? EXACT_PANEL_ROWS_AVX512 : EXACT_PANEL_ROWS;
-    float *panel = x->m < panel_rows ? NULL : thread_panel(x->k * PANEL_GROUPS * 8 * (int64_t)sizeof(float));
+    /* a two-group panel of the whole K; on AVX-512 a slice of four groups, or a unit's last group of the whole K */
+    int64_t panel_bytes = x->k * 2 * 8 * (int64_t)sizeof(float);
+#if LOCKSTEP_AVX512
+    const int64_t slice_bytes = (x->k / BLOCK < SLICE_BLOCKS ? x->k / BLOCK : SLICE_BLOCKS) * BLOCK * 32 * 4;
+    panel_bytes = slice_bytes > panel_bytes ? slice_bytes : panel_bytes;
+#endif
+    float *panel = x->m < EXACT_PANEL_ROWS ? NULL : thread_panel(panel_bytes);
     if (!panel) {
 #if LOCKSTEP_AVX512
         for (int64_t r = 0, rows; r < x->m; r += rows) {
@@ -890,22 +934,26 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
         return;
     }
     for (int64_t c = first; c < last;) {
-        const int groups = last - c >= 8 * PANEL_GROUPS ? PANEL_GROUPS : last - c >= 16 ? 2 : 1;
 #if LOCKSTEP_AVX512
-        const int64_t row_tile = groups > 1 ? EXACT_ROW_TILE16 : EXACT_ROW_TILE;
-#else
-        const int64_t row_tile = EXACT_ROW_TILE;
+        if (last - c >= 16) {
+            const int groups = last - c >= 32 ? 4 : 2;
+            exact_panel_columns16(x, weight, format, group_bytes, panel, out, n, c, groups, last);
+            c += 8 * groups;
+            continue;
+        }
 #endif
+        const int groups = last - c >= 16 ? 2 : 1;
         dequantize_groups(weight + c / 8 * group_bytes, group_bytes, x->k, panel, format, groups);
+        if (c + 8 * groups < last) { /* the next panel's blocks into L2 while the tiles compute (AVX2 build on
+                                      * Zen 5: a step's exact matmuls at 4 rows -20%, at 16 rows -10%) */
+            const int64_t next_groups = (last - c) / 8 - groups < 2 ? (last - c) / 8 - groups : 2;
+            const uint8_t *next = weight + (c + 8 * groups) / 8 * group_bytes;
+            for (int64_t offset = 0; offset < next_groups * group_bytes; offset += 64)
+                _mm_prefetch((const char *)next + offset, _MM_HINT_T1);
+        }
         for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
-            const int64_t tiles_left = (x->m - r + row_tile - 1) / row_tile;
+            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE - 1) / EXACT_ROW_TILE;
             rows = (x->m - r + tiles_left - 1) / tiles_left;
-#if LOCKSTEP_AVX512
-            if (groups > 1) {
-                PANEL_TILES16[groups / 2][rows](x, r, panel, out + r * n + c, n);
-                continue;
-            }
-#endif
             PANEL_TILES[groups][rows](x, r, panel, out + r * n + c, n);
         }
         c += 8 * groups;
