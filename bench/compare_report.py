@@ -88,7 +88,8 @@ def describe_machine(model_dir: str) -> dict:
     host = detect_host()
     relevant = set().union(*(needed for _, needed in ISA_FLAGS),
                          {"avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile", "f16c"})
-    return {"cpu": _cpu_model(), "isa": host.isa, "cpu_flags": sorted(relevant & host.flags),
+    return {"cpu": _cpu_model(), "isa": host.isa, "host_class": host_class(),
+            "cpu_flags": sorted(relevant & host.flags),
             "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
             "load_average_at_start": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "packages": _package_versions(),
@@ -114,6 +115,25 @@ def copy_bandwidth_gb_s(num_threads: int | None = None) -> float:
             list(pool.map(np.copyto, targets, sources))
             best = min(best, time.perf_counter() - started)
     return 2 * size * num_threads / best / 1e9
+
+
+def host_class() -> str:
+    """The host class a serving section is kept for: the best instruction set, and on x86 the vendor's CPU family,
+    since one set runs at different rates (AMD family 25, Zen 4, splits a 512-bit FMA in two; family 26, Zen 5,
+    does not)."""
+    from engine.hardware import detect_host
+
+    isa = detect_host().isa
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return isa
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.MULTILINE)
+    if not (vendor and family):
+        return isa
+    name = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor.group(1), vendor.group(1))
+    return f"{isa}, {name} family {family.group(1)}"
 
 
 def _cpu_model() -> str:
@@ -326,10 +346,10 @@ class Report:
         m = self.machine
         versions = ", ".join(f"{name} {version}" for name, version in m["packages"].items())
         clients = ", ".join(str(c) for c in self.plan.concurrency)
-        begin, end = section_markers(self.isa)
+        begin, end = section_markers(self.host_class)
         lines = [
             begin,
-            f"## Serving on {self.isa}: lockstep beside the servers a user would pick instead",
+            f"## Serving on {self.host_class}: lockstep beside the servers a user would pick instead",
             "",
             "Command: `make bench` (it runs `python -m bench compare --docs docs/benchmarks.md`; "
             "`python -m bench serve --help` drives one server you started yourself). "
@@ -435,14 +455,19 @@ class Report:
         return self.machine.get("isa", "an unnamed CPU")
 
     @property
+    def host_class(self) -> str:
+        """The section's key (an older compare.json has only the instruction set)."""
+        return self.machine.get("host_class", self.isa)
+
+    @property
     def plot_name(self) -> str:
         """bench-serving-<host class>.png: each class's section keeps its own plot."""
-        return "bench-serving-" + re.sub(r"[^a-z0-9]+", "-", self.isa.lower()).strip("-") + ".png"
+        return "bench-serving-" + re.sub(r"[^a-z0-9]+", "-", self.host_class.lower()).strip("-") + ".png"
 
     def write_docs(self, path: Path, plot_path: Path) -> None:
         section = self.markdown_section(os.path.relpath(plot_path, path.parent))
         text = path.read_text() if path.exists() else "# Benchmarks\n"
-        begin, end = section_markers(self.isa)
+        begin, end = section_markers(self.host_class)
         pattern = re.compile(re.escape(begin.split(" (")[0]) + r".*?" + re.escape(end), re.DOTALL)
         if pattern.search(text):
             text = pattern.sub(lambda _: section, text)

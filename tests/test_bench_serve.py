@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import compare, probe, serve
-from bench.compare_report import ConfigResult, Plan, Report, probe_table, ratio_table, section_markers
+from bench.compare_report import (ConfigResult, Plan, Report, host_class, probe_table, ratio_table,
+                                  section_markers)
 from bench.peers import SERVED_NAME, ServerConfig, start_server
 from bench.serve_client import (LockstepRest, LockstepWebSocket, OpenAiCompletions, RequestResult, Sampling,
                                 _read_event_stream, _Stopwatch)
@@ -362,7 +363,7 @@ def test_the_openai_client_streams_from_vllm_server(vllm_server, tokenizer):
 
 def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(tmp_path, smol_model_dir):
     docs = tmp_path / "benchmarks.md"
-    begin, end = section_markers(detect_host().isa)  # this host class's section; another class's stays as it is
+    begin, end = section_markers(host_class())  # this host class's section; another class's stays as it is
     other_begin, other_end = section_markers("another CPU")
     docs.write_text(f"# Benchmarks\n\nBefore.\n\n{begin}\nan older run\n{end}\n\n{other_begin}\nkept\n{other_end}\n"
                     "\nAfter.\n")
@@ -382,7 +383,8 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
     assert text.count(begin) == 1 and text.count(end) == 1 and "an older run" not in text
     assert f"{other_begin}\nkept\n{other_end}" in text
     assert "| lockstep hf (defaults) | 2 |" in text and "![" in text and report["elapsed_s"] > 0
-    plot = "bench-serving-" + "-".join(filter(None, re.split(r"[^a-z0-9]+", detect_host().isa.lower()))) + ".png"
+    assert host_class().startswith(detect_host().isa)
+    plot = "bench-serving-" + "-".join(filter(None, re.split(r"[^a-z0-9]+", host_class().lower()))) + ".png"
     assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
     assert hf["probe"]["summary"]["sent"] == 2 and hf["probe"]["plan"]["num_streams"] == 2
     assert "TTFT of a 30-token prompt beside 2 streams" in text and "| lockstep hf (defaults) | 2 / 2 |" in text
@@ -399,7 +401,7 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
 
 
 def _section(text: str) -> str:
-    begin, end = section_markers(detect_host().isa)
+    begin, end = section_markers(host_class())
     return text[text.index(begin):text.index(end)]
 
 
