@@ -539,9 +539,13 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
 }
 #endif
 
-/* From this many rows on, a call dequantizes its columns once into a panel (on AVX-512 once a slice of K: there,
- * with the slices, a panel from 3 rows on beat 4-row tiles straight from the blocks, 4 rows -9%, 8 rows -30%). */
+/* From this many rows on, a call dequantizes its columns once into a panel, a slice of K at a time. AVX-512 took
+ * 9 before the slices; with them, on Zen 5, a panel beat its 4-row tiles straight from the blocks from 3 rows on
+ * (4 rows -9%, 8 rows -30%). */
 #define EXACT_PANEL_ROWS 3
+/* Blocks of K a panel holds (AVX-512's 32 columns: 16 KB, AVX2's 16: 8 KB; it stays in L1 between its row tiles,
+ * where a whole K's panel, 37-196 KB, was written to L2 and read back per tile). 2 and 8 were no faster. */
+#define SLICE_BLOCKS 4
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
 /* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
@@ -560,12 +564,13 @@ static inline __attribute__((always_inline)) __m256 x8_weights(const uint8_t *bl
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
 }
 
-/* GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel` [K][GROUPS][8] floats. */
+/* Blocks [from, to) of GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel`
+ * [to - from][BLOCK][GROUPS][8] floats. */
 static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *group, int64_t group_bytes,
-                                                                   int64_t k, float *panel, const int FORMAT,
-                                                                   const int GROUPS) {
+                                                                   int64_t from, int64_t to, float *panel,
+                                                                   const int FORMAT, const int GROUPS) {
     const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
-    for (int64_t b = 0; b < k / BLOCK; b++)
+    for (int64_t b = from; b < to; b++)
         for (int g = 0; g < GROUPS; g++) {
             const uint8_t *p = group + g * group_bytes + b * bytes;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -573,23 +578,26 @@ static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t
                                                 : _mm256_setzero_ps();
             UNROLLED
             for (int position = 0; position < BLOCK; position++)
-                _mm256_store_ps(panel + ((b * BLOCK + position) * GROUPS + g) * 8, x8_weights(p, position, d, m, FORMAT));
+                _mm256_store_ps(panel + (((b - from) * BLOCK + position) * GROUPS + g) * 8,
+                                x8_weights(p, position, d, m, FORMAT));
         }
 }
 
-/* ROWS rows x GROUPS groups of 8 columns from a dequantized panel: per position, each group's 8 weights, then per
- * row one broadcast activation and one FMA per group into that output's accumulator. Each output is one chain of
- * FMAs over K in order whatever ROWS and GROUPS: the float32 dequantized matmul, summed in order. */
+/* ROWS rows x GROUPS groups of 8 columns over blocks [from, to) of a dequantized panel, going on from the sums
+ * `out` holds (from > 0): per position, each group's 8 weights, then per row one broadcast activation and one FMA
+ * per group into that output's accumulator. Each output is one chain of FMAs over K in order whatever ROWS, GROUPS
+ * and slices: the float32 dequantized matmul, summed in order. */
 static inline __attribute__((always_inline)) void exact_panel_tile(const struct quantized_x *x, int64_t row,
-                                                                   const float *panel, float *out, int64_t n,
-                                                                   const int ROWS, const int GROUPS) {
+                                                                   const float *panel, int64_t from, int64_t to,
+                                                                   float *out, int64_t n, const int ROWS,
+                                                                   const int GROUPS) {
     __m256 acc[2][EXACT_ROW_TILE]; /* fixed sizes: constant indices keep them in registers */
     UNROLLED
     for (int g = 0; g < GROUPS; g++)
         UNROLLED
-        for (int r = 0; r < ROWS; r++) acc[g][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < x->k / BLOCK; b++) {
-        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + b * BLOCK * GROUPS * 8;
+        for (int r = 0; r < ROWS; r++) acc[g][r] = from ? _mm256_loadu_ps(out + r * n + 8 * g) : _mm256_setzero_ps();
+    for (int64_t b = from; b < to; b++) {
+        const float *xs = x->xf + row * x->k + b * BLOCK, *ws = panel + (b - from) * BLOCK * GROUPS * 8;
         _Pragma("GCC unroll 4") /* positions index only memory: fully unrolled, the code is slower to build */
         for (int position = 0; position < BLOCK; position++) {
             __m256 w[2];
@@ -733,9 +741,6 @@ static inline __attribute__((always_inline)) void dequantize_panel16(const uint8
  * FMAs (a 16-column panel's 6-row tiles took one load per FMA; on Zen 5 a step's exact matmuls at 16 rows took
  * -18%, at 64 rows -20%; 12-row tiles were slower at 160 rows). */
 #define EXACT_ROW_TILE16 8
-/* Blocks of K a 32-column panel holds (16 KB: it stays in L1 between its row tiles; a whole K's panel, 74-196 KB,
- * was written to L2 and read back per tile). 2 and 8 were no faster. */
-#define SLICE_BLOCKS 4
 /* exact_panel_tile over a panel of PAIRS pairs of groups: per position one load per pair, then per row one
  * broadcast and one FMA per pair into that output's accumulator; the same chain per output. */
 static inline __attribute__((always_inline)) void exact_panel_tile16(const struct quantized_x *x, int64_t row,
@@ -806,11 +811,11 @@ static const row_fn ROW_TILES[2][5] = {
     {0, row_tile_FORMAT_Q4_1_X8_1, row_tile_FORMAT_Q4_1_X8_2, 0, row_tile_FORMAT_Q4_1_X8_4},
     {0, row_tile_FORMAT_Q8_0_X8_1, row_tile_FORMAT_Q8_0_X8_2, 0, row_tile_FORMAT_Q8_0_X8_4}};
 
-typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, float *, int64_t);
+typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
 #define PANEL_TILE(R, G)                                                                                            \
-    static void panel_tile_##R##_##G(const struct quantized_x *x, int64_t row, const float *panel, float *out,     \
-                                     int64_t n) {                                                                   \
-        exact_panel_tile(x, row, panel, out, n, R, G);                                                              \
+    static void panel_tile_##R##_##G(const struct quantized_x *x, int64_t row, const float *panel, int64_t from,   \
+                                     int64_t to, float *out, int64_t n) {                                           \
+        exact_panel_tile(x, row, panel, from, to, out, n, R, G);                                                    \
     }
 PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
 #if !LOCKSTEP_AVX512 /* AVX-512 computes a two-group panel 16 lanes at a time (panel_tile16) */
@@ -821,8 +826,7 @@ PANEL_TILE(3, 2) PANEL_TILE(4, 2) PANEL_TILE(5, 2) PANEL_TILE(6, 2)
 static const panel_fn PANEL_TILES[2][EXACT_ROW_TILE + 1] = {
     {0}, {0, 0, 0, panel_tile_3_1, panel_tile_4_1, panel_tile_5_1, panel_tile_6_1}};
 /* By pairs of groups (16 or 32 columns) and rows (a tile has EXACT_PANEL_ROWS to EXACT_ROW_TILE16). */
-typedef void (*panel16_fn)(const struct quantized_x *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
-static const panel16_fn PANEL_TILES16[3][EXACT_ROW_TILE16 + 1] = {
+static const panel_fn PANEL_TILES16[3][EXACT_ROW_TILE16 + 1] = {
     {0},
     {0, 0, 0, panel_tile16_3_1, panel_tile16_4_1, panel_tile16_5_1, panel_tile16_6_1, panel_tile16_7_1,
      panel_tile16_8_1},
@@ -836,26 +840,28 @@ static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
     {0, 0, 0, panel_tile_3_2, panel_tile_4_2, panel_tile_5_2, panel_tile_6_2}};
 #endif
 
-static void dequantize_groups(const uint8_t *group, int64_t group_bytes, int64_t k, float *panel, int format,
-                              int groups) {
-    if (format == FORMAT_Q4_1_X8) {
-        if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 2);
-        else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q4_1_X8, 1);
-    } else {
-        if (groups == 2) dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 2);
-        else dequantize_panel(group, group_bytes, k, panel, FORMAT_Q8_0_X8, 1);
-    }
-}
-
+/* Blocks [from, to) of `groups` adjacent groups (1 or 2; on AVX-512 also 4) into `panel`, in the layout their
+ * tiles read (PANEL_TILES; on AVX-512, pairs of groups: PANEL_TILES16). */
+static void dequantize_slice(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, float *panel,
+                             int format, int groups) {
 #if LOCKSTEP_AVX512
-static void dequantize_pairs(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, float *panel,
-                             int format, int pairs) {
+    if (groups > 1) {
+        if (format == FORMAT_Q4_1_X8) {
+            if (groups == 4) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
+            else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
+        } else {
+            if (groups == 4) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
+            else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
+        }
+        return;
+    }
+#endif
     if (format == FORMAT_Q4_1_X8) {
-        if (pairs == 2) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
-        else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
+        if (groups == 2) dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
+        else dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
     } else {
-        if (pairs == 2) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
-        else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
+        if (groups == 2) dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
+        else dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
     }
 }
 
@@ -868,45 +874,48 @@ static void prefetch_slice(const uint8_t *group, int64_t group_bytes, int64_t fr
             _mm_prefetch((const char *)group + g * group_bytes + offset, _MM_HINT_T0);
 }
 
-/* Columns [c, c + 8 * groups) (2 or 4 groups) over every row, K a slice at a time: the slice dequantized into an
+/* Columns [c, c + 8 * groups) over every row, K a slice of SLICE_BLOCKS at a time: the slice dequantized into an
  * L1 panel, then every row tile goes on from the sums the last slice left in `out`, so each output is still one
- * chain of FMAs over K in order. The next slice's blocks are fetched while the tiles compute (a step's exact
- * matmuls on Zen 5 at 16 rows: whole-K panels 19.1 ms, slices 17.4, slices fetched ahead 14.7). */
-static void exact_panel_columns16(const struct quantized_x *x, const uint8_t *weight, int format,
-                                  int64_t group_bytes, float *panel, float *out, int64_t n, int64_t c, int groups,
-                                  int64_t last) {
+ * chain of FMAs over K in order. The next slice's blocks (or the next columns' first) are fetched while the tiles
+ * compute. A step's exact matmuls on Zen 5 at 16 rows, whole-K panels 19.1 ms, slices 17.4, slices fetched ahead
+ * 14.7; its AVX2 build (under the capability mask) at 4 / 16 rows 18.0 / 31.3 ms before, 11.9 / 25.4 after. */
+static void exact_panel_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
+                                float *panel, float *out, int64_t n, int64_t c, int groups, int64_t last) {
     const int64_t blocks = x->k / BLOCK;
     const uint8_t *group = weight + c / 8 * group_bytes;
+#if LOCKSTEP_AVX512
+    const int64_t row_tile = groups > 1 ? EXACT_ROW_TILE16 : EXACT_ROW_TILE;
+    const panel_fn *tiles = groups > 1 ? PANEL_TILES16[groups / 2] : PANEL_TILES[groups];
+#else
+    const int64_t row_tile = EXACT_ROW_TILE;
+    const panel_fn *tiles = PANEL_TILES[groups];
+#endif
     for (int64_t from = 0; from < blocks; from += SLICE_BLOCKS) {
         const int64_t to = from + SLICE_BLOCKS < blocks ? from + SLICE_BLOCKS : blocks;
-        dequantize_pairs(group, group_bytes, from, to, panel, format, groups / 2);
+        dequantize_slice(group, group_bytes, from, to, panel, format, groups);
         if (to < blocks)
             prefetch_slice(group, group_bytes, to, to + SLICE_BLOCKS < blocks ? to + SLICE_BLOCKS : blocks, format,
                            groups);
         else if (c + 8 * groups < last) /* the next columns' first slice */
             prefetch_slice(group + groups * group_bytes, group_bytes, 0, SLICE_BLOCKS < blocks ? SLICE_BLOCKS : blocks,
                            format, (last - c) / 8 - groups < groups ? (int)((last - c) / 8 - groups) : groups);
-        for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 12 = 6 + 6 */
-            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE16 - 1) / EXACT_ROW_TILE16;
+        for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
+            const int64_t tiles_left = (x->m - r + row_tile - 1) / row_tile;
             rows = (x->m - r + tiles_left - 1) / tiles_left;
-            PANEL_TILES16[groups / 2][rows](x, r, panel, from, to, out + r * n + c, n);
+            tiles[rows](x, r, panel, from, to, out + r * n + c, n);
         }
     }
 }
-#endif
 
-/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on, dequantized once into a panel
- * (L1 or L2), then every row over it in tiles (on AVX-512 32 columns and a slice of K at a time); fewer rows (or
- * no memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with the same bits. */
+/* Columns [first, last) on float32 activations: from EXACT_PANEL_ROWS rows on, 16 columns at a time (32 on
+ * AVX-512) dequantized a slice of K at a time into a panel, then every row over it in tiles; fewer rows (or no
+ * memory for a panel) straight from the blocks (on AVX-512 up to 4 rows a tile), with the same bits. */
 static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                              float *out, int64_t n, int64_t first, int64_t last) {
-    /* a two-group panel of the whole K; on AVX-512 a slice of four groups, or a unit's last group of the whole K */
-    int64_t panel_bytes = x->k * 2 * 8 * (int64_t)sizeof(float);
-#if LOCKSTEP_AVX512
-    const int64_t slice_bytes = (x->k / BLOCK < SLICE_BLOCKS ? x->k / BLOCK : SLICE_BLOCKS) * BLOCK * 32 * 4;
-    panel_bytes = slice_bytes > panel_bytes ? slice_bytes : panel_bytes;
-#endif
-    float *panel = x->m < EXACT_PANEL_ROWS ? NULL : thread_panel(panel_bytes);
+    const int64_t slice = x->k / BLOCK < SLICE_BLOCKS ? x->k / BLOCK : SLICE_BLOCKS;
+    const int max_groups = LOCKSTEP_AVX512 ? 4 : 2;
+    float *panel = x->m < EXACT_PANEL_ROWS ? NULL
+                                           : thread_panel(slice * BLOCK * max_groups * 8 * (int64_t)sizeof(float));
     if (!panel) {
 #if LOCKSTEP_AVX512
         for (int64_t r = 0, rows; r < x->m; r += rows) {
@@ -933,30 +942,9 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
             }
         return;
     }
-    for (int64_t c = first; c < last;) {
-#if LOCKSTEP_AVX512
-        if (last - c >= 16) {
-            const int groups = last - c >= 32 ? 4 : 2;
-            exact_panel_columns16(x, weight, format, group_bytes, panel, out, n, c, groups, last);
-            c += 8 * groups;
-            continue;
-        }
-#endif
-        const int groups = last - c >= 16 ? 2 : 1;
-        dequantize_groups(weight + c / 8 * group_bytes, group_bytes, x->k, panel, format, groups);
-        if (c + 8 * groups < last) { /* the next panel's blocks into L2 while the tiles compute (AVX2 build on
-                                      * Zen 5: a step's exact matmuls at 4 rows -20%, at 16 rows -10%) */
-            const int64_t next_groups = (last - c) / 8 - groups < 2 ? (last - c) / 8 - groups : 2;
-            const uint8_t *next = weight + (c + 8 * groups) / 8 * group_bytes;
-            for (int64_t offset = 0; offset < next_groups * group_bytes; offset += 64)
-                _mm_prefetch((const char *)next + offset, _MM_HINT_T1);
-        }
-        for (int64_t r = 0, rows; r < x->m; r += rows) { /* the rows in tiles as even as they come: 8 = 4 + 4 */
-            const int64_t tiles_left = (x->m - r + EXACT_ROW_TILE - 1) / EXACT_ROW_TILE;
-            rows = (x->m - r + tiles_left - 1) / tiles_left;
-            PANEL_TILES[groups][rows](x, r, panel, out + r * n + c, n);
-        }
-        c += 8 * groups;
+    for (int64_t c = first, groups; c < last; c += 8 * groups) {
+        groups = last - c >= 8 * max_groups ? max_groups : last - c >= 16 ? 2 : 1;
+        exact_panel_columns(x, weight, format, group_bytes, panel, out, n, c, (int)groups, last);
     }
 }
 
