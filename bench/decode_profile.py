@@ -3,14 +3,17 @@
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
     python -m bench.decode_profile --paths [--compile]
     python -m bench.decode_profile --prefill [--against OTHER/q4_kernels.c]
+    python -m bench.decode_profile --matmuls [--rows 1,4,16,64] [--against OTHER/q4_kernels.c]
 
 A served token costs one decode step, so these tables decide the backend's forward and its kernels. By default: ms
 per step for each design of the step (from the one the backend started from to lockstep's kernels in one C call
 with their helper thread), the layer-by-layer steps split into their parts, and the per-token costs outside the
 forward, all in one process so that the ratios compare even on a busy machine. --paths: one step's weight matmuls
 on every way this host offers to compute them. --prefill: a prompt chunk on the 4-bit path at the start of a
-prompt and deep in one (what a multi-turn chat's next turn prefills after its cached history). Times are wall-clock medians beside the process CPU time (a much
-lower CPU time: other processes held the cores). The tables and what they showed: docs/benchmarks.md.
+prompt and deep in one (what a multi-turn chat's next turn prefills after its cached history). --matmuls: one
+step's weight matmuls on the 4-bit kernels as the forward reads them, by rows, on both activations. Times are
+wall-clock medians beside the process CPU time (a much lower CPU time: other processes held the cores). The tables
+and what they showed: docs/benchmarks.md.
 """
 import argparse
 import contextlib
@@ -233,6 +236,24 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
     return rows
 
 
+def kernels_by_source(against: str | None, helpers: int, exact: bool) -> dict:
+    """This tree's 4-bit kernels and, with `against`, those built from another q4_kernels.c (into a folder of its
+    own), by name; a build that cannot run here is left out (the log says why)."""
+    from pathlib import Path
+    from tempfile import mkdtemp
+
+    from engine.backends import q4
+
+    loaded = {}
+    for name, source in {"this tree": q4.SOURCE, **({against: Path(against)} if against else {})}.items():
+        folder = EngineConfig().cache_dir if source == q4.SOURCE else mkdtemp()  # before SOURCE is patched
+        with mock.patch.object(q4, "SOURCE", source):
+            kernels = q4.load_q4_kernels(folder, helpers, exact)
+        if kernels is not None:
+            loaded[name] = kernels
+    return loaded
+
+
 PREFILL_CHUNK = 160
 PREFILL_DEPTHS = (0, 800, 1700)
 
@@ -241,27 +262,19 @@ def prefill_table(model, num_steps: int, against: str | None = None) -> list[str
     """ms for a PREFILL_CHUNK-token prompt chunk on the 4-bit path after PREFILL_DEPTHS cached positions, on this
     tree's kernels and, with `against`, on those of another q4_kernels.c, calls alternated (this host's speed
     drifts: only an interleaved comparison says which is faster); the logits must be the same bits."""
-    from pathlib import Path
-    from tempfile import mkdtemp
-
     from engine.backends import q4
 
     weights = q4.Q4Weights.of_embedded_model(model.config, EngineConfig().cache_dir)
     weights.give_model_the_same_weights(model)
     ids = torch.randint(100, 20000, (max(PREFILL_DEPTHS) + PREFILL_CHUNK,), generator=torch.Generator().manual_seed(0))
     helpers, rows = (os.cpu_count() or 1) - 1, []
-    sources = {"this tree": q4.SOURCE, **({against: Path(against)} if against else {})}
     for exact in (False, True):
         decoders = {}
-        for name, source in sources.items():
-            with mock.patch.object(q4, "SOURCE", source):
-                kernels = q4.load_q4_kernels(EngineConfig().cache_dir if source == q4.SOURCE else mkdtemp(),
-                                             helpers, exact)
-            if kernels is not None:
-                decoder = FastDecoder(model, q4=(kernels, weights))
-                cache = decoder.new_prompt_cache(len(ids))
-                decoder.prefill(ids[:max(PREFILL_DEPTHS)], 0, cache)
-                decoders[name] = decoder, cache
+        for name, kernels in kernels_by_source(against, helpers, exact).items():
+            decoder = FastDecoder(model, q4=(kernels, weights))
+            cache = decoder.new_prompt_cache(len(ids))
+            decoder.prefill(ids[:max(PREFILL_DEPTHS)], 0, cache)
+            decoders[name] = decoder, cache
         walls = {(name, depth): [] for name in decoders for depth in PREFILL_DEPTHS}
         for depth in PREFILL_DEPTHS:
             logits = {}
@@ -278,6 +291,39 @@ def prefill_table(model, num_steps: int, against: str | None = None) -> list[str
                         f"{' | '.join(cells)} |")
     header = " | ".join(f"after {depth} positions" for depth in PREFILL_DEPTHS)
     return [f"| {PREFILL_CHUNK}-token prompt chunk, ms | {header} |", "|---|" + "---:|" * len(PREFILL_DEPTHS), *rows]
+
+
+def matmul_table(model, num_steps: int, rows_list: list[int], against: str | None = None) -> list[str]:
+    """ms for one step's weight matmuls on the 4-bit kernels as the forward reads them (the interleaved blocks),
+    8-bit and float32 activations, at each row count, every core; with `against`, another q4_kernels.c's calls
+    alternated with this tree's, and their outputs must be the same bits."""
+    from engine.backends import q4
+
+    config = model.config
+    blocks = q4.Q4Weights.of_embedded_model(config, EngineConfig().cache_dir)
+    helpers, rows_out = (os.cpu_count() or 1) - 1, []
+    for exact in (False, True):
+        runs = {}
+        for name, kernels in kernels_by_source(against, helpers, exact).items():
+            weights = [kernels.interleaved(w) for layer in blocks.layers
+                       for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+            runs[name] = kernels, weights + [kernels.interleaved(blocks.lm_head)]
+        for rows in rows_list:
+            inputs = {width: torch.randn(rows, width) for width in (config.hidden_size, config.intermediate_size)}
+            walls, outputs = {name: [] for name in runs}, {}
+            for _ in range(num_steps):
+                for name, (kernels, weights) in runs.items():
+                    started = time.perf_counter()
+                    outputs[name] = [kernels.linear(inputs[w.in_features], w) for w in weights]
+                    walls[name].append(time.perf_counter() - started)
+            first = next(iter(outputs.values()))
+            if not all(torch.equal(a, b) for other in outputs.values() for a, b in zip(first, other)):
+                raise AssertionError(f"the kernels disagree at {rows} rows")
+            for name in runs:
+                rows_out.append(f"| {name}, {'float32' if exact else '8-bit'} activations | {rows} | "
+                                f"{statistics.median(walls[name]) * 1e3:.2f} |")
+    return [f"one step's weight matmuls, {helpers + 1} thread(s)", "",
+            "| kernels | rows | ms |", "|---|---:|---:|", *rows_out]
 
 
 PATH_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "asimd", "bf16"}
@@ -322,7 +368,10 @@ def main() -> None:
     parser.add_argument("--paths", action="store_true", help="the weight matmuls on every path this host offers")
     parser.add_argument("--compile", action="store_true", help="with --paths: also inductor's int8 matmul")
     parser.add_argument("--prefill", action="store_true", help="a prompt chunk on the 4-bit path, shallow and deep")
-    parser.add_argument("--against", help="with --prefill: another q4_kernels.c to alternate with this tree's")
+    parser.add_argument("--matmuls", action="store_true", help="one step's 4-bit matmuls by rows, both activations")
+    parser.add_argument("--rows", default="1,4,16,64", help="with --matmuls: the row counts")
+    parser.add_argument("--against", help="with --prefill or --matmuls: another q4_kernels.c to alternate with "
+                                          "this tree's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model_path = resolve_model(EngineConfig())
@@ -331,6 +380,13 @@ def main() -> None:
         with torch.inference_mode():
             config_only = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             print("\n".join(paths_table(config_only, args.steps, args.compile)))
+        return
+    if args.matmuls:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            config_only = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            rows = [int(r) for r in args.rows.split(",")]
+            print("\n".join(matmul_table(config_only, args.steps, rows, args.against)))
         return
     if args.prefill:
         torch.set_num_threads(1)  # as in the worker: torch's own spinning threads would take the kernels' helper's core
