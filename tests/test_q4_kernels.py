@@ -294,8 +294,8 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 def test_the_avx512_kernels_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
     at each tile's row counts (float32: 1 and 2 from the blocks, 3 and past from a panel, on AVX-512 32 columns
-    and 4 blocks of K at a time in tiles of up to 8 rows; 8-bit: 8 rows a tile, with VNNI and without), both block
-    formats, and a weight whose last 8 columns fall to the 8-column tile. The attention (two positions a vector
+    and 4 blocks of K at a time in tiles of up to 8 rows; 8-bit: from 5 rows on, 8 rows a tile and the rest in one,
+    with VNNI and without), both block formats, and a weight whose last 8 columns fall to the 8-column tile. The attention (two positions a vector
     for the scores, 16 dimensions for the sums) gives the same logits too, in prompt chunks and decode steps."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
@@ -311,7 +311,7 @@ def test_the_avx512_kernels_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model
     _, weights = gguf_model
     lm_head = weights.lm_head
     odd = QuantizedWeight(lm_head.blocks[:584].clone(), lm_head.format, 584, lm_head.in_features)  # 36 x 16 + 8
-    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 19):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 19):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         for weight in (weights.layers[0].gate_up, weights.layers[0].qkv, lm_head, odd):
             expected = avx2.linear(x, avx2.interleaved(weight))

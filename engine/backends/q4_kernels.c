@@ -458,6 +458,13 @@ static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second
 }
 
 #define X8_ROWS16 8 /* rows of an 8-bit 16-column tile: 32 registers hold 8 rows' sums and accumulators */
+/* From this many rows on, the 8-bit matmuls take the 16-column tiles; fewer take the 8-column ones, the same bits
+ * (on Zen 5 a step's 8-bit matmuls at 1 / 2 / 4 rows -21% / -26% / -16%; on Sapphire Rapids the 16-column tiles
+ * had gained 2% at one row). */
+#define X8_WIDE_ROWS 5
+/* How far ahead of its block a 16-column Q4_1 tile fetches its two groups' blocks: its two streams, unlike the
+ * 8-column tile's one, left the hardware prefetcher behind (Zen 5: 8 / 16 rows -14% / -10%, 64 rows -2%). */
+#define X8_PREFETCH_BLOCKS 16
 /* x8_tile on two adjacent groups (16 columns) at once: per lane the same integer dot product and the same float
  * operations in the same order, so each output is x8_tile's bits. */
 static inline __attribute__((always_inline)) void x8_tile16(const struct quantized_x *x, int64_t row,
@@ -469,6 +476,10 @@ static inline __attribute__((always_inline)) void x8_tile16(const struct quantiz
     for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g = group + b * X8_GROUP_BYTES, *h = g + group_bytes;
+        for (int line = 0; line < X8_GROUP_BYTES; line += 64) {
+            _mm_prefetch((const char *)g + X8_PREFETCH_BLOCKS * X8_GROUP_BYTES + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)h + X8_PREFETCH_BLOCKS * X8_GROUP_BYTES + line, _MM_HINT_T0);
+        }
         __m512 d = two_groups_half(g, h), m = two_groups_half(g + 16, h + 16);
         __m512i dots[X8_ROWS16];
         for (int i = 0; i < 4; i++) {
@@ -970,8 +981,9 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
         }                                                                                                           \
     } while (0)
 
-/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512: 8,
- * which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's groups stay in L2. */
+/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
+ * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
+ * groups stay in L2. */
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
     const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
@@ -980,7 +992,7 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
         return;
     }
 #if LOCKSTEP_AVX512
-    if (format == FORMAT_Q4_1_X8) {
+    if (format == FORMAT_Q4_1_X8 && x->m >= X8_WIDE_ROWS) {
         for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
             int64_t rows = x->m - r < X8_ROWS16 ? x->m - r : X8_ROWS16, c = first;
             for (; last - c >= 16; c += 16) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes,
@@ -996,7 +1008,7 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
         for (int64_t c = first; c < last; c += 8) {
             const uint8_t *group = weight + c / 8 * group_bytes;
 #if LOCKSTEP_AVX512
-            if (last - c >= 16) {
+            if (format == FORMAT_Q8_0_X8 && x->m >= X8_WIDE_ROWS && last - c >= 16) {
                 X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
                 c += 8;
                 continue;
