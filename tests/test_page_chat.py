@@ -353,7 +353,11 @@ def test_focus_stays_in_the_composer_and_escape_stops(open_page):
     expect(answer.locator("[data-k=finish]")).to_have_attribute("data-reason", "abort", timeout=GENERATION_MS)
     expect(page.locator("#chat-input")).to_be_focused()
 
-    send(page, "Another long story, please.")
+    # A new chat: the next answer's length must not hang on where the first one was stopped (a short greedy answer
+    # to a follow-up could end before the click lands, as it did on a fast host under the suite's load)
+    page.click("#chat-new")
+    set_settings(page, max_tokens=400)
+    send(page, "Write a long story about a dragon who learns to fly.")
     answer = last_answer(page)
     expect(answer.locator(".body")).to_have_text(re.compile(r"\S"), timeout=GENERATION_MS)
     page.click("#chat-stop")

@@ -459,11 +459,12 @@ static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second
 
 #define X8_ROWS16 8 /* rows of an 8-bit 16-column tile: 32 registers hold 8 rows' sums and accumulators */
 /* From this many rows on, the 8-bit matmuls take the 16-column tiles; fewer take the 8-column ones, the same bits
- * (on Zen 5 a step's 8-bit matmuls at 1 / 2 / 4 rows -21% / -26% / -16%; on Sapphire Rapids the 16-column tiles
- * had gained 2% at one row). */
+ * (on Zen 5 a step's 8-bit matmuls at 1 / 4 rows 9-25% / 3-20% faster over several A/B runs; on Sapphire Rapids
+ * the 16-column tiles had gained 2% at one row). */
 #define X8_WIDE_ROWS 5
 /* How far ahead of its block a 16-column Q4_1 tile fetches its two groups' blocks: its two streams, unlike the
- * 8-column tile's one, left the hardware prefetcher behind (Zen 5: 8 / 16 rows -14% / -10%, 64 rows -2%). */
+ * 8-column tile's one, left the hardware prefetcher behind (Zen 5: 8 / 16 rows 8-14% / 8-10% faster; 8 blocks
+ * ahead was a little slower). */
 #define X8_PREFETCH_BLOCKS 16
 /* x8_tile on two adjacent groups (16 columns) at once: per lane the same integer dot product and the same float
  * operations in the same order, so each output is x8_tile's bits. */
