@@ -462,10 +462,18 @@ static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second
  * (on Zen 5 a step's 8-bit matmuls at 1 / 4 rows 9-25% / 3-20% faster over several A/B runs; on Sapphire Rapids
  * the 16-column tiles had gained 2% at one row). */
 #define X8_WIDE_ROWS 5
-/* How far ahead of its block a 16-column Q4_1 tile fetches its two groups' blocks: its two streams, unlike the
- * 8-column tile's one, left the hardware prefetcher behind (Zen 5: 8 / 16 rows 8-14% / 8-10% faster; 8 blocks
- * ahead was a little slower). */
-#define X8_PREFETCH_BLOCKS 16
+/* How far ahead (bytes) of its block an 8-bit 16-column tile fetches its two groups' blocks: its two streams,
+ * unlike the 8-column tile's one, left the hardware prefetcher behind (Zen 5, Q4_1: 8 / 16 rows 8-14% / 8-10%
+ * faster, half as far ahead a little slower; Q8_0, the lm_head: 5 to 8 rows 3-6% faster; not inlined, the
+ * fetches cost more than they saved). */
+#define X8_PREFETCH_BYTES 2560
+static inline __attribute__((always_inline)) void prefetch_two_groups(const uint8_t *g, const uint8_t *h,
+                                                                      const int BYTES) {
+    for (int line = 0; line < BYTES; line += 64) {
+        _mm_prefetch((const char *)g + X8_PREFETCH_BYTES + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)h + X8_PREFETCH_BYTES + line, _MM_HINT_T0);
+    }
+}
 /* x8_tile on two adjacent groups (16 columns) at once: per lane the same integer dot product and the same float
  * operations in the same order, so each output is x8_tile's bits. */
 static inline __attribute__((always_inline)) void x8_tile16(const struct quantized_x *x, int64_t row,
@@ -477,10 +485,7 @@ static inline __attribute__((always_inline)) void x8_tile16(const struct quantiz
     for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g = group + b * X8_GROUP_BYTES, *h = g + group_bytes;
-        for (int line = 0; line < X8_GROUP_BYTES; line += 64) {
-            _mm_prefetch((const char *)g + X8_PREFETCH_BLOCKS * X8_GROUP_BYTES + line, _MM_HINT_T0);
-            _mm_prefetch((const char *)h + X8_PREFETCH_BLOCKS * X8_GROUP_BYTES + line, _MM_HINT_T0);
-        }
+        prefetch_two_groups(g, h, X8_GROUP_BYTES);
         __m512 d = two_groups_half(g, h), m = two_groups_half(g + 16, h + 16);
         __m512i dots[X8_ROWS16];
         for (int i = 0; i < 4; i++) {
@@ -523,6 +528,7 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
     for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g = group + b * Q8_X8_GROUP_BYTES, *h = g + group_bytes;
+        prefetch_two_groups(g, h, Q8_X8_GROUP_BYTES);
         __m512 d = two_groups_half(g, h);
         __m512i dots[4];
         for (int i = 0; i < 8; i++) {
