@@ -468,7 +468,8 @@ class Report:
         section = self.markdown_section(os.path.relpath(plot_path, path.parent))
         text = path.read_text() if path.exists() else "# Benchmarks\n"
         begin, end = section_markers(self.host_class)
-        pattern = re.compile(re.escape(begin.split(" (")[0]) + r".*?" + re.escape(end), re.DOTALL)
+        # the key and the " (" after it: "AVX512-BF16" must not match the start of "AVX512-BF16, AMD family 26"
+        pattern = re.compile(re.escape(begin.split(" (generated")[0] + " (") + r".*?" + re.escape(end), re.DOTALL)
         if pattern.search(text):
             text = pattern.sub(lambda _: section, text)
         else:

@@ -398,6 +398,14 @@ def test_compare_measures_a_configuration_and_rewrites_only_the_serving_section(
         del entry["probe"]
     older = Report.from_dict(report).markdown_section("plot.png")
     assert "| lockstep hf (defaults) | 2 |" in older and "prompt beside" not in older
+    # one from before the host class rewrites its instruction set's section, not a longer key's that starts alike
+    del report["machine"]["host_class"]
+    report["machine"]["isa"] = "CPU-X"
+    (longer_begin, longer_end), (isa_begin, isa_end) = section_markers("CPU-X, family 1"), section_markers("CPU-X")
+    mixed = tmp_path / "mixed.md"
+    mixed.write_text(f"{longer_begin}\nlonger\n{longer_end}\n\n{isa_begin}\nolder\n{isa_end}\n")
+    Report.from_dict(report).write_docs(mixed, tmp_path / "plot.png")
+    assert f"{longer_begin}\nlonger\n{longer_end}" in mixed.read_text() and "older" not in mixed.read_text()
 
 
 def _section(text: str) -> str:
