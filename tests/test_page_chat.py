@@ -10,8 +10,8 @@ import time
 
 from playwright.sync_api import expect
 
-from .test_page import (DESKTOP, GENERATION_MS, PHONE, PROBE_IMG, PROBE_SCRIPT, browser, has_no_horizontal_scroll,  # noqa: F401
-                        last_answer, open_page, send, set_settings, wait_done)
+from .test_page import (DESKTOP, GENERATION_MS, PHONE, PROBE_IMG, PROBE_SCRIPT, STOP_TOKENS, browser,  # noqa: F401
+                        has_no_horizontal_scroll, last_answer, open_page, send, set_settings, wait_done)
 
 MARKDOWN = """# Title
 
@@ -343,7 +343,7 @@ def test_composer_stays_pinned_and_the_page_follows_the_stream_unless_scrolled_u
 def test_focus_stays_in_the_composer_and_escape_stops(open_page):
     page = open_page()
     expect(page.locator("#chat-input")).to_be_focused()  # on load
-    set_settings(page, temperature=0, max_tokens=300)
+    set_settings(page, temperature=0, max_tokens=STOP_TOKENS)
     page.fill("#chat-input", "Write a long story about a robot.")
     page.click("#chat-send")
     expect(page.locator("#chat-input")).to_be_focused()
@@ -356,7 +356,6 @@ def test_focus_stays_in_the_composer_and_escape_stops(open_page):
     # A new chat: the next answer's length must not hang on where the first one was stopped (a short greedy answer
     # to a follow-up could end before the click lands, as it did on a fast host under the suite's load)
     page.click("#chat-new")
-    set_settings(page, max_tokens=400)
     send(page, "Write a long story about a dragon who learns to fly.")
     answer = last_answer(page)
     expect(answer.locator(".body")).to_have_text(re.compile(r"\S"), timeout=GENERATION_MS)
