@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test test-avx2-path setup model chromium nginx vllm ray bench bench-engine llama-server screenshots clean
+.PHONY: serve test test-avx2-path setup model chromium nginx vllm ray bench bench-engine llama-server llama-server-avx2 \
+	screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
@@ -108,6 +109,16 @@ $(LLAMA_SERVER): | $(STAMP)
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
 	cmake --build $(LLAMA_SRC)/build -j$$(nproc) -t llama-server llama-bench
+
+# The same tree built for an AVX2-only CPU (AVX2+FMA+F16C, no AVX-512): `bench compare --configs hf-avx2,
+# llama-server-avx2,...` compares the AVX2 code paths on a CPU with more (bench/peers.py, AVX2_ONLY_ENV).
+LLAMA_SERVER_AVX2 := $(LLAMA_SRC)/build-avx2/bin/llama-server
+llama-server-avx2: $(LLAMA_SERVER_AVX2) $(LLAMA_BF16_GGUF)
+
+$(LLAMA_SERVER_AVX2): $(LLAMA_SERVER)
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_SRC)/build-avx2 -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF
+	cmake --build $(LLAMA_SRC)/build-avx2 -j$$(nproc) -t llama-server llama-bench
 
 $(LLAMA_BF16_GGUF): $(LLAMA_SERVER) $(MODEL)
 	PYTHONPATH=$(LLAMA_SRC)/vendor/llama.cpp/gguf-py $(PY) $(LLAMA_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py \

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import probe, serve, serve_data
 from .compare_report import ConfigResult, Plan, Report, describe_machine
-from .peers import SERVED_NAME, ServerConfig, start_server
+from .peers import AVX2_ONLY_ENV, SERVED_NAME, ServerConfig, start_server
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,20 @@ CONFIGS = {
     "llama-server-bf16": ServerConfig("llama-server bf16", "llama-server", is_peer=True, gguf="bf16",
                                       description="the same on a bfloat16 GGUF of the prepared model "
                                                   "(convert_hf_to_gguf.py --outtype bf16)"),
+    # An AVX2-only CPU's code paths on this one (its memory and cores stay this machine's): lockstep under the
+    # capability masks, llama.cpp built for AVX2 (`make llama-server-avx2`).
+    "hf-avx2": ServerConfig("lockstep hf, AVX2 path", "lockstep", AVX2_ONLY_ENV, same_weights_peer="llama-server avx2",
+                            description="the defaults under the AVX2-only masks (" +
+                                        " ".join(f"`{k}={v}`" for k, v in AVX2_ONLY_ENV) + ")"),
+    "hf-exact-avx2": ServerConfig("lockstep hf, exact weights, AVX2 path", "lockstep",
+                                  (("LOCKSTEP_WEIGHTS", "exact"), *AVX2_ONLY_ENV),
+                                  same_weights_peer="llama-server bf16 avx2",
+                                  description="`LOCKSTEP_WEIGHTS=exact` under the same masks"),
+    "llama-server-avx2": ServerConfig("llama-server avx2", "llama-server", is_peer=True, llama_build="avx2",
+                                      description="llama-server built for AVX2+FMA+F16C without AVX-512 "
+                                                  "(`make llama-server-avx2`), the Q4_1 GGUF"),
+    "llama-server-bf16-avx2": ServerConfig("llama-server bf16 avx2", "llama-server", is_peer=True, gguf="bf16",
+                                           llama_build="avx2", description="the same build on the bfloat16 GGUF"),
 }
 STANDARD = "hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16"
 READY_TIMEOUT_S = 300

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, and which kernels to compute it with on this host.
 
     python -m bench.decode_profile [--threads 1] [--dtype bfloat16] [--steps 20] [--skip-before]
-    python -m bench.decode_profile --paths [--compile]
+    python -m bench.decode_profile --paths [--compile] [--threads 2]
     python -m bench.decode_profile --prefill [--against OTHER/q4_kernels.c]
     python -m bench.decode_profile --matmuls [--rows 1,4,16,64] [--against OTHER/q4_kernels.c]
 
@@ -211,16 +211,18 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
     paths = {"float32 matmul (oneDNN/MKL)": _dense_path(dense, torch.float32),
              "bfloat16 matmul (oneDNN)": _dense_path(dense, torch.bfloat16),
              "int8 weight-only (_weight_int8pack_mm)": _int8_path(dense),
-             "int4 weight-only (_weight_int4pack_mm_for_cpu, groups of 32)": _int4_path(dense)}
+             "int4 weight-only (_weight_int4pack_mm_for_cpu, groups of 32)": _int4_path(dense, torch.float32),
+             "int4 weight-only, bfloat16 activations (the same op)": _int4_path(dense, torch.bfloat16)}
     if with_compile:
-        paths["int8 weight-only, torch.compile (inductor)"] = _int8_path(dense, compiled=True)
+        paths.update(_inductor_paths(dense, config))
     for exact in (False, True):
         for helpers in (0, (os.cpu_count() or 1) - 1):
             kernels = load_q4_kernels(cache_dir, helpers, exact)
-            if kernels is not None:
-                activations = "float32" if exact else "8-bit"
+            if kernels is not None:  # the blocks laid out as the forward reads them
+                activations, laid_out = "float32" if exact else "8-bit", [kernels.interleaved(w) for w in quantized]
                 paths[f"lockstep 4-bit kernels, {activations} activations, {helpers + 1} thread(s)"] = \
-                    lambda x, kernels=kernels: [kernels.linear(x[w.in_features], w) for w in quantized]
+                    lambda x, kernels=kernels, laid_out=laid_out: [kernels.linear(x[w.in_features], w)
+                                                                   for w in laid_out]
     rows = [f"{detect_host().describe()}; flags: {' '.join(sorted(detect_host().flags & PATH_FLAGS))}", "",
             "| one decode step's weight matmuls, ms | 1 row | 8 rows | 16 rows |", "|---|---:|---:|---:|"]
     for name, run in paths.items():
@@ -233,7 +235,22 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
             except (RuntimeError, NotImplementedError) as exc:  # a path this torch build lacks
                 cells.append(f"fails: {str(exc).splitlines()[0][:60]}")
         rows.append(f"| {name} | {' | '.join(cells)} |")
+    kernels = load_q4_kernels(cache_dir, (os.cpu_count() or 1) - 1, exact=False)
+    if kernels is not None:
+        rows += ["", f"lockstep's rows make {len(quantized)} calls from Python, "
+                     f"{_call_overhead_us(kernels, quantized[1]):.1f} µs each on a matmul of 8 columns and one row "
+                     f"(a served step makes one C call for the whole step); the compiled rows one call."]
     return rows
+
+
+def _call_overhead_us(kernels, weight) -> float:
+    """µs a kernels.linear call costs beyond its arithmetic: the call on 8 of `weight`'s columns, one row."""
+    from engine.backends.q4 import QuantizedWeight
+
+    small = kernels.interleaved(QuantizedWeight(weight.blocks[:8].clone(), weight.format, 8, weight.in_features))
+    x = torch.randn(1, weight.in_features)
+    wall, _ = timed(lambda: [kernels.linear(x, small) for _ in range(1000)], 9)
+    return wall  # ms per 1,000 calls: µs per call
 
 
 def kernels_by_source(against: str | None, helpers: int, exact: bool) -> dict:
@@ -334,19 +351,20 @@ def _dense_path(weights: list[torch.Tensor], dtype: torch.dtype):
     return lambda x: [torch.nn.functional.linear(x[w.shape[1]].to(dtype), w) for w in cast]
 
 
-def _int8_path(weights: list[torch.Tensor], compiled: bool = False):
-    """Per-output-channel int8, as torchao's int8 weight-only quantization calls ATen."""
+def _int8_weights(weights: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-output-channel int8 and its scales, as torchao's int8 weight-only quantization makes them."""
     scales = [w.abs().amax(dim=1).clamp(min=1e-12) / 127 for w in weights]
-    ints = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
-    matmul = torch._weight_int8pack_mm
-    if compiled:
-        matmul = torch.compile(lambda x, w, s: (x @ w.to(x.dtype).T) * s, dynamic=False)
-    return lambda x: [matmul(x[w.shape[1]], w, s) for w, s in zip(ints, scales)]
+    return [(torch.round(w / s[:, None]).to(torch.int8), s) for w, s in zip(weights, scales)]
 
 
-def _int4_path(weights: list[torch.Tensor]):
-    """Asymmetric int4 in groups of 32 (tinygemm's layout: (q - 8) * scale + zero), as torchao's int4 weight-only
-    quantization calls ATen on CPU."""
+def _int8_path(weights: list[torch.Tensor]):
+    """int8 weight-only, as torchao calls ATen."""
+    ints = _int8_weights(weights)
+    return lambda x: [torch._weight_int8pack_mm(x[w.shape[1]], w, s) for w, s in ints]
+
+
+def _int4_weights(weights: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Asymmetric int4 in groups of 32 (tinygemm's layout: (q - 8) * scale + zero), packed for ATen's CPU op."""
     packed = []
     for w in weights:
         groups = w.view(w.shape[0], -1, 32)
@@ -355,8 +373,57 @@ def _int4_path(weights: list[torch.Tensor]):
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(w.shape)
         zero = low + 8 * scale
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K / 32, N, 2]
-        packed.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros, w.shape[1]))
-    return lambda x: [torch._weight_int4pack_mm_for_cpu(x[k], p, 32, sz) for p, sz, k in packed]
+        packed.append((torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros))
+    return packed
+
+
+def _int4_path(weights: list[torch.Tensor], dtype: torch.dtype):
+    """int4 weight-only in groups of 32, as torchao calls ATen on CPU (its recipe: bfloat16 activations)."""
+    packed = [(p, sz.to(dtype), w.shape[1]) for (p, sz), w in zip(_int4_weights(weights), weights)]
+    return lambda x: [torch._weight_int4pack_mm_for_cpu(x[k].to(dtype), p, 32, sz) for p, sz, k in packed]
+
+
+class _ConstantWeights(torch.nn.Module):
+    """A step's weight matmuls with the weights as module buffers: inductor's freezing makes them constants, and
+    only on constant weights does it choose (and pack for) its own C++ GEMM templates."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, ...]], in_features: list[int], matmul):
+        super().__init__()
+        self.matmul, self.in_features = matmul, in_features
+        self.parts = [[f"w{i}_{j}" for j in range(len(tensors))] for i, tensors in enumerate(weights)]
+        for names, tensors in zip(self.parts, weights):
+            for name, tensor in zip(names, tensors):
+                self.register_buffer(name, tensor)
+
+    def forward(self, hidden: torch.Tensor, intermediate: torch.Tensor) -> list[torch.Tensor]:
+        by_width = {hidden.shape[-1]: hidden, intermediate.shape[-1]: intermediate}
+        return [self.matmul(by_width[k], *(getattr(self, name) for name in names))
+                for names, k in zip(self.parts, self.in_features)]
+
+
+def _inductor_paths(weights: list[torch.Tensor], config) -> dict:
+    """torch.compile of the step's matmuls as torchao's CPU recipe sets inductor up (freezing, max-autotune), on
+    inductor's own C++ GEMM templates only (float32; int8 and int4 weight-only: the rows above are ATen's ops). Left
+    to choose, autotuning would time every one of the 121 matmuls against ATen's, two seconds each. Each batch size
+    compiles once, at its first (warm-up) call."""
+    in_features = [w.shape[1] for w in weights]
+    recipes = {"float32 matmul, torch.compile (inductor's C++ GEMM template)":
+               ([(w,) for w in weights], torch.nn.functional.linear),
+               "int8 weight-only, torch.compile (inductor's C++ GEMM template)":
+               (_int8_weights(weights), lambda x, w, s: torch.nn.functional.linear(x, w.to(x.dtype)) * s),
+               # its int4 template takes bfloat16 activations only (as torchao's CPU int4 recipe feeds it)
+               "int4 weight-only, bfloat16 activations, torch.compile (inductor's C++ GEMM template)":
+               ([(w, sz.to(torch.bfloat16)) for w, sz in _int4_weights(weights)],
+                lambda x, w, sz: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, 32, sz))}
+    paths = {}
+    for name, (tensors, matmul) in recipes.items():
+        compiled = torch.compile(_ConstantWeights(tensors, in_features, matmul).eval(), dynamic=False)
+
+        def run(x, compiled=compiled):
+            with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
+                return compiled(x[config.hidden_size], x[config.intermediate_size])
+        paths[name] = run
+    return paths
 
 
 def main() -> None:
@@ -366,7 +433,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip-before", action="store_true", help="only the slot cache in table 1")
     parser.add_argument("--paths", action="store_true", help="the weight matmuls on every path this host offers")
-    parser.add_argument("--compile", action="store_true", help="with --paths: also inductor's int8 matmul")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --paths: also torch.compile's (inductor's) float32, int8 and int4 matmuls")
     parser.add_argument("--prefill", action="store_true", help="a prompt chunk on the 4-bit path, shallow and deep")
     parser.add_argument("--matmuls", action="store_true", help="one step's 4-bit matmuls by rows, both activations")
     parser.add_argument("--rows", default="1,4,16,64", help="with --matmuls: the row counts")

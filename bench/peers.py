@@ -26,7 +26,16 @@ STOP_WAIT_S = 40
 # lockstep's own executor before the benchmark gives up on the server.
 LOCKSTEP_LOAD_TIMEOUT_S = 240
 LLAMA_DIR = REPO / ".cache" / "llama.cpp"  # where `make llama-server` builds
-LLAMA_SERVER = LLAMA_DIR / "llama_cpp_python-0.3.36" / "build" / "bin" / "llama-server"
+LLAMA_SRC = LLAMA_DIR / "llama_cpp_python-0.3.36"
+LLAMA_BUILDS = {"native": LLAMA_SRC / "build",  # `make llama-server`: -DGGML_NATIVE=ON, this CPU's every instruction
+                "avx2": LLAMA_SRC / "build-avx2"}  # `make llama-server-avx2`: AVX2+FMA+F16C, no AVX-512
+LLAMA_SERVER = LLAMA_BUILDS["native"] / "bin" / "llama-server"
+# What an AVX2-only CPU offers, on a CPU with more: lockstep's capability mask, ATen's and oneDNN's own (the Makefile's
+# test-avx2-path runs the decode tests so). The kernels and torch then take the AVX2 paths; the memory and the
+# cores' width stay this machine's.
+AVX2_ONLY_ENV = (("LOCKSTEP_CPU_FLAGS_MASK", "avx512f,avx512bw,avx512vl,avx512_bf16,avx512_vnni,avx_vnni,amx_bf16,"
+                                             "amx_tile,amx_int8"),
+                 ("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"))
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class ServerConfig:
     is_peer: bool = False  # a server a user would pick instead of lockstep
     same_weights_peer: str = ""  # lockstep: the peer on the same weights its ratios are against (else the best)
     gguf: str = "q4_1"  # llama-server: which GGUF (`gguf_path`)
+    llama_build: str = "native"  # llama-server: which build (LLAMA_BUILDS)
     in_length_sweep: bool = False  # also measured at outputs of 64 / 256 / 1,024 tokens
     requests_per_client: int | None = None  # None: the plan's; 1 bounds a server that serves one at a time
     description: str = ""  # how it runs, for the report
@@ -48,8 +58,10 @@ class ServerConfig:
     def missing(self) -> str | None:
         """Why this server cannot run here (a package or binary not installed), or None."""
         if self.kind == "llama-server":
-            absent = [str(path) for path in (LLAMA_SERVER, gguf_path(self.gguf)) if not path.exists()]
-            return f"not built: {', '.join(absent)} (`make llama-server`)" if absent else None
+            absent = [str(path) for path in (llama_server_binary(self.llama_build), gguf_path(self.gguf))
+                      if not path.exists()]
+            target = "llama-server" if self.llama_build == "native" else f"llama-server-{self.llama_build}"
+            return f"not built: {', '.join(absent)} (`make {target}`)" if absent else None
         needed = {"vllm-server": ("vllm",)}
         absent = [name for name in needed.get(self.kind, ()) if importlib.util.find_spec(name) is None]
         if self.kind == "lockstep" and dict(self.settings).get("LOCKSTEP_BACKEND") == "vllm":
@@ -103,7 +115,7 @@ def start_server(config: ServerConfig, model_dir: str, log_dir: Path):
     if config.kind == "vllm-server":
         return ProcessServer(vllm_command(model_dir, port), port, log_path, vllm_environment(model_dir))
     if config.kind == "llama-server":
-        return ProcessServer(llama_server_command(config.gguf, port), port, log_path, {})
+        return ProcessServer(llama_server_command(config.gguf, port, config.llama_build), port, log_path, {})
     raise ValueError(f"unknown server kind {config.kind!r}")
 
 
@@ -128,11 +140,15 @@ def gguf_path(kind: str) -> Path:
     return find_gguf() if kind == "q4_1" else LLAMA_DIR / "SmolLM2-135M-Instruct-bf16.gguf"
 
 
-def llama_server_command(gguf: str, port: int) -> list[str]:
+def llama_server_binary(build: str) -> Path:
+    return LLAMA_BUILDS[build] / "bin" / "llama-server"
+
+
+def llama_server_command(gguf: str, port: int, build: str = "native") -> list[str]:
     """16 slots with continuous batching, every core, a context of 2,048 per slot. On a CPU with AMX-INT8 without
     weight repacking (`-nr`): there this tree's repacked AMX matmul of the Q4_1 GGUF dies of SIGSEGV on its
     first batch of more than one row (llama-server at its warm-up, `llama-bench -p 64`; 2026-12-03, 0.3.36).
     The CPU's own flags decide, not lockstep's capability mask: a masked run still starts llama.cpp on this CPU."""
-    command = [str(LLAMA_SERVER), "-m", str(gguf_path(gguf)), "-t", str(os.cpu_count() or 1), "-np", "16",
+    command = [str(llama_server_binary(build)), "-m", str(gguf_path(gguf)), "-t", str(os.cpu_count() or 1), "-np", "16",
                "-c", "32768", "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
     return command + (["-nr"] if "amx_int8" in machine_cpu_flags() else [])

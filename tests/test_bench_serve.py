@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, probe, serve
+from bench import compare, peers, probe, serve
 from bench.compare_report import (ConfigResult, Plan, Report, host_class, probe_table, ratio_table,
                                   section_markers)
 from bench.peers import SERVED_NAME, ServerConfig, start_server
@@ -435,6 +435,23 @@ def test_ratios_are_against_the_peer_on_the_same_weights_where_it_ran():
                ConfigResult(ServerConfig("A", "llama-server", is_peer=True), sweep={1: _metrics(80, 0.02)}),
                ConfigResult(ServerConfig("B bf16", "llama-server", is_peer=True), sweep={1: _metrics(40, 0.05)})]
     assert ratio_table(results, plan)[2:] == ["| exact | 1 | B bf16 | **0.50x** | 2.00x |"]
+
+
+def test_the_avx2_configurations_mask_what_the_avx2_test_leg_masks_and_run_the_avx2_build():
+    """`bench compare --configs hf-avx2,llama-server-avx2` is the AVX2-only host's code on this one: lockstep under
+    the very masks `make test-avx2-path` proves that path with, llama-server from its AVX2 build."""
+    makefile_mask = re.search(r"^AVX2_MASK := (.+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+    for name in ("hf-avx2", "hf-exact-avx2"):
+        settings = dict(compare.CONFIGS[name].settings)
+        assert set(settings["LOCKSTEP_CPU_FLAGS_MASK"].split(",")) == set(makefile_mask.split(","))
+        assert (settings["ATEN_CPU_CAPABILITY"], settings["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
+        assert compare.CONFIGS[name].same_weights_peer in {c.name for c in compare.CONFIGS.values()}
+    llama = compare.CONFIGS["llama-server-avx2"]
+    command = peers.llama_server_command(llama.gguf, 8080, llama.llama_build)
+    assert command[0].endswith("build-avx2/bin/llama-server")
+    assert peers.llama_server_command("q4_1", 8080)[0] == str(peers.LLAMA_SERVER)
+    if not peers.llama_server_binary("avx2").exists():
+        assert "make llama-server-avx2" in llama.missing()
 
 
 def test_a_run_is_called_shared_only_if_the_machine_was_busy_before_it_started():
