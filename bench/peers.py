@@ -42,7 +42,7 @@ AVX2_ONLY_ENV = (("LOCKSTEP_CPU_FLAGS_MASK", "avx512f,avx512bw,avx512vl,avx512_b
 class ServerConfig:
     name: str  # the label in tables and plots
     kind: str  # "lockstep", "vllm-server" or "llama-server"
-    settings: tuple[tuple[str, str], ...] = ()  # environment for lockstep (LOCKSTEP_*)
+    settings: tuple[tuple[str, str], ...] = ()  # environment for lockstep (LOCKSTEP_*, and the AVX2 masks)
     is_peer: bool = False  # a server a user would pick instead of lockstep
     same_weights_peer: str = ""  # lockstep: the peer on the same weights its ratios are against (else the best)
     gguf: str = "q4_1"  # llama-server: which GGUF (`gguf_path`)
