@@ -233,7 +233,7 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
                 wall, _ = timed(lambda: run(inputs), num_steps)
                 cells.append(f"{wall:.1f}")
             except (RuntimeError, NotImplementedError) as exc:  # a path this torch build lacks
-                cells.append(f"fails: {str(exc).splitlines()[0][:60]}")
+                cells.append(f"fails: {_reason(exc)[:60]}")
         rows.append(f"| {name} | {' | '.join(cells)} |")
     kernels = load_q4_kernels(cache_dir, (os.cpu_count() or 1) - 1, exact=False)
     if kernels is not None:
@@ -241,6 +241,12 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
                      f"{_call_overhead_us(kernels, quantized[1]):.1f} µs each on a matmul of 8 columns and one row "
                      f"(a served step makes one C call for the whole step); the compiled rows one call."]
     return rows
+
+
+def _reason(exc: Exception) -> str:
+    """The line of an exception that says why: dynamo wraps inductor's under "backend='inductor' raised:"."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return next((line for line in lines if not line.endswith("raised:")), type(exc).__name__)
 
 
 def _call_overhead_us(kernels, weight) -> float:
