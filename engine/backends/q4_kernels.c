@@ -587,7 +587,7 @@ static inline __attribute__((always_inline)) __m256 x8_weights(const uint8_t *bl
 static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *group, int64_t group_bytes,
                                                                    int64_t from, int64_t to, float *panel,
                                                                    const int FORMAT, const int GROUPS) {
-    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const int64_t bytes = 8 * block_bytes(FORMAT);
     for (int64_t b = from; b < to; b++)
         for (int g = 0; g < GROUPS; g++) {
             const uint8_t *p = group + g * group_bytes + b * bytes;
@@ -640,7 +640,7 @@ static inline __attribute__((always_inline)) void exact_panel_tile(const struct 
 static inline __attribute__((always_inline)) void exact_row_tile(const struct quantized_x *x, int64_t row,
                                                                  const uint8_t *group, int64_t group_bytes,
                                                                  float *out, const int FORMAT, const int GROUPS) {
-    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const int64_t bytes = 8 * block_bytes(FORMAT);
     __m256 acc[4];
     UNROLLED
     for (int g = 0; g < GROUPS; g++) acc[g] = _mm256_setzero_ps();
@@ -704,7 +704,7 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
                                                                    const uint8_t *group, int64_t group_bytes,
                                                                    float *out, int64_t n, const int FORMAT,
                                                                    const int ROWS, const int PAIRS) {
-    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const int64_t bytes = 8 * block_bytes(FORMAT);
     __m512 acc[4][2];
     UNROLLED
     for (int r = 0; r < ROWS; r++)
@@ -739,7 +739,7 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
 static inline __attribute__((always_inline)) void dequantize_panel16(const uint8_t *group, int64_t group_bytes,
                                                                      int64_t from, int64_t to, float *panel,
                                                                      const int FORMAT, const int PAIRS) {
-    const int64_t bytes = FORMAT == FORMAT_Q4_1_X8 ? X8_GROUP_BYTES : Q8_X8_GROUP_BYTES;
+    const int64_t bytes = 8 * block_bytes(FORMAT);
     group += from * bytes;
     for (int64_t b = 0; b < to - from; b++)
         UNROLLED
@@ -886,7 +886,7 @@ static void dequantize_slice(const uint8_t *group, int64_t group_bytes, int64_t 
 /* Blocks [from, to) of `groups` adjacent groups into L1: the slice after the one the tiles compute on. */
 static void prefetch_slice(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, int format,
                            int groups) {
-    const int64_t bytes = format == FORMAT_Q8_0_X8 ? Q8_X8_GROUP_BYTES : X8_GROUP_BYTES;
+    const int64_t bytes = 8 * block_bytes(format);
     for (int g = 0; g < groups; g++)
         for (int64_t offset = from * bytes; offset < to * bytes; offset += 64)
             _mm_prefetch((const char *)group + g * group_bytes + offset, _MM_HINT_T0);
