@@ -203,11 +203,8 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
     from engine.hardware import detect_host
 
     config, cache_dir = model.config, EngineConfig().cache_dir
-    blocks = Q4Weights.of_embedded_model(config, cache_dir)
-    dense = [w.dequantized() for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-    dense.append(blocks.lm_head.dequantized())
-    quantized = [w for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-    quantized.append(blocks.lm_head)
+    quantized = step_weights(Q4Weights.of_embedded_model(config, cache_dir))
+    dense = [w.dequantized() for w in quantized]
     paths = {"float32 matmul (oneDNN/MKL)": _dense_path(dense, torch.float32),
              "bfloat16 matmul (oneDNN)": _dense_path(dense, torch.bfloat16),
              "int8 weight-only (_weight_int8pack_mm)": _int8_path(dense),
@@ -215,9 +212,11 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
              "int4 weight-only, bfloat16 activations (the same op)": _int4_path(dense, torch.bfloat16)}
     if with_compile:
         paths.update(_inductor_paths(dense, config))
+    every_core, all_helpers = None, (os.cpu_count() or 1) - 1  # the 8-bit kernels on every core: their call cost
     for exact in (False, True):
-        for helpers in (0, (os.cpu_count() or 1) - 1):
+        for helpers in (0, all_helpers):
             kernels = load_q4_kernels(cache_dir, helpers, exact)
+            every_core = kernels if not exact and helpers == all_helpers else every_core
             if kernels is not None:  # the blocks laid out as the forward reads them
                 activations, laid_out = "float32" if exact else "8-bit", [kernels.interleaved(w) for w in quantized]
                 paths[f"lockstep 4-bit kernels, {activations} activations, {helpers + 1} thread(s)"] = \
@@ -235,12 +234,17 @@ def paths_table(model, num_steps: int, with_compile: bool) -> list[str]:
             except (RuntimeError, NotImplementedError) as exc:  # a path this torch build lacks
                 cells.append(f"fails: {_reason(exc)[:60]}")
         rows.append(f"| {name} | {' | '.join(cells)} |")
-    kernels = load_q4_kernels(cache_dir, (os.cpu_count() or 1) - 1, exact=False)
-    if kernels is not None:
+    if every_core is not None:
         rows += ["", f"lockstep's rows make {len(quantized)} calls from Python, "
-                     f"{_call_overhead_us(kernels, quantized[1]):.1f} µs each on a matmul of 8 columns and one row "
+                     f"{_call_overhead_us(every_core, quantized[1]):.1f} µs each on a matmul of 8 columns and one row "
                      f"(a served step makes one C call for the whole step); the compiled rows one call."]
     return rows
+
+
+def step_weights(blocks) -> list:
+    """The weights a decode step multiplies by, in the forward's order: each layer's fused q/k/v, output, fused
+    gate/up and down, then the lm_head (121 for the embedded model)."""
+    return [w for layer in blocks.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [blocks.lm_head]
 
 
 def _reason(exc: Exception) -> str:
@@ -328,9 +332,7 @@ def matmul_table(model, num_steps: int, rows_list: list[int], against: str | Non
     for exact in (False, True):
         runs = {}
         for name, kernels in kernels_by_source(against, helpers, exact).items():
-            weights = [kernels.interleaved(w) for layer in blocks.layers
-                       for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-            runs[name] = kernels, weights + [kernels.interleaved(blocks.lm_head)]
+            runs[name] = kernels, [kernels.interleaved(w) for w in step_weights(blocks)]
         for rows in rows_list:
             inputs = {width: torch.randn(rows, width) for width in (config.hidden_size, config.intermediate_size)}
             walls, outputs = {name: [] for name in runs}, {}
