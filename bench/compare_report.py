@@ -124,25 +124,25 @@ def host_class() -> str:
     from engine.hardware import detect_host
 
     isa = detect_host().isa
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return isa
-    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
-    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.MULTILINE)
+    vendor, family = _cpuinfo_field("vendor_id"), _cpuinfo_field("cpu family")
     if not (vendor and family):
         return isa
-    name = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor.group(1), vendor.group(1))
-    return f"{isa}, {name} family {family.group(1)}"
+    name = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, vendor)
+    return f"{isa}, {name} family {family}"
 
 
 def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor() or "unknown"
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name : value` of /proc/cpuinfo, or None (no such field, or no /proc/cpuinfo to read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or "unknown"
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else "unknown"
+        return None
+    match = re.search(rf"^{re.escape(name)}\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else None
 
 
 def _package_versions() -> dict[str, str]:
