@@ -295,8 +295,9 @@ def test_the_avx512_kernels_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,
     at each tile's row counts (float32: 1 and 2 from the blocks, 3 and past from a panel, on AVX-512 32 columns
     and 4 blocks of K at a time in tiles of up to 8 rows; 8-bit: from 5 rows on, 8 rows a tile and the rest in one,
-    with VNNI and without), both block formats, and a weight whose last 8 columns fall to the 8-column tile. The attention (two positions a vector
-    for the scores, 16 dimensions for the sums) gives the same logits too, in prompt chunks and decode steps."""
+    with VNNI and without), both block formats, and a weight whose last 8 columns fall to the 8-column tile. The
+    attention (two positions a vector for the scores, 16 dimensions for the sums) gives the same logits too, in
+    prompt chunks and decode steps."""
     exact = ACTIVATIONS[activations]
     wide = load_q4_kernels(str(tmp_path / "avx512"), helpers=1, exact=exact)
     avx2, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "avx2", "avx512f,avx512_vnni,avx_vnni", exact)
