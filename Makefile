@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test test-avx2-path setup model chromium nginx vllm ray bench bench-engine llama-server llama-server-avx2 \
+.PHONY: serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server llama-server-avx2 \
 	screenshots clean
 
 serve: setup model
@@ -29,6 +29,14 @@ test-avx2-path: setup model
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/test_q4_kernels.py tests/test_batch_invariance.py -k "not bfloat16"; \
 	else echo "test-avx2-path: this CPU has no AVX-512 or AVX-VNNI, so the suite above already ran the AVX2 path"; fi
+
+# The 4-bit kernels' tests once more as an ARM64 Linux host runs them, on x86-64: built by Debian's aarch64 cross
+# compiler, run under qemu-user (tests/arm64/run-emulated), so that CI on x86 also proves the portable C an ARM64
+# host builds. Correctness only: emulated time says nothing of an ARM64 CPU's speed. About 10 minutes on 2 cores
+# (.ci/run runs it after `make test`), and 5 GB of aarch64 packages in .cache/arm64 the first time.
+test-arm64-path: setup model
+	@if [ "$$(uname -m)" = aarch64 ]; then echo "test-arm64-path: this is an ARM64 host, so make test ran its path"; \
+	else tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/test_q4_kernels.py; fi
 
 setup: $(STAMP)
 

@@ -274,7 +274,7 @@ def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_mo
 
 
 @pytest.mark.skipif(not has_vnni_kernels(hardware.cpu_flags()),
-                    reason="this CPU has no AVX512-VNNI or AVX-VNNI (vpdpbusd): only the AVX2 dot products run here")
+                    reason="this CPU has no AVX512-VNNI or AVX-VNNI (vpdpbusd), so no VNNI dot products are built here")
 def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model):
     """vpdpbusd sums the same integer products as AVX2's maddubs + madd: every output the same bits, at every
     row count of the tiles (1 to 9 rows), for both block formats."""
@@ -289,7 +289,7 @@ def test_the_vnni_dot_products_give_the_avx2_bits(monkeypatch, tmp_path, gguf_mo
 
 
 @pytest.mark.skipif(not has_avx512_kernels(hardware.cpu_flags()),
-                    reason="this CPU has no AVX-512 (avx512f, avx512bw): only the 8-column AVX2 tiles run here")
+                    reason="this CPU has no AVX-512 (avx512f, avx512bw), so no 16-column AVX-512 tiles are built here")
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_avx512_kernels_give_the_avx2_bits(monkeypatch, tmp_path, gguf_model, activations):
     """Two groups' 16 columns in one vector, lane by lane the AVX2 tiles' operations: every output the same bits,

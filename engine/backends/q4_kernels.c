@@ -83,6 +83,10 @@ int lockstep_q4_uses_avx512(void) { return LOCKSTEP_AVX512; }
 static inline float half_to_float(uint16_t h) {
 #if LOCKSTEP_AVX2
     return _cvtsh_ss(h);
+#elif defined(__aarch64__) /* one instruction (fcvt), the same exact value */
+    __fp16 half;
+    memcpy(&half, &h, sizeof half);
+    return (float)half;
 #else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
     union { uint32_t u; float f; } bits;
@@ -1041,57 +1045,112 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
     for (; c < last; c++) one_column[rows](x, row, weight + c * row_bytes, row_bytes, out + c, n);
 }
 #else
-/* Portable, on float32 activations: per block d * sum(q_j * x_j) in eight lanes, as the AVX2 tile sums. */
-static float exact_output(const struct quantized_x *x, int64_t r, const uint8_t *weight_row, int format) {
-    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(format);
-    float lanes[8] = {0}, minimum_term = 0;
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = weight_row + b * bytes;
-        const float *xs = x->xf + r * x->k + b * BLOCK;
-        float q[BLOCK], d = half_to_float(read_half(block));
-        if (format == FORMAT_Q4_1) {
-            for (int j = 0; j < 16; j++) q[j] = (float)(block[4 + j] & 0x0F), q[j + 16] = (float)(block[4 + j] >> 4);
-            minimum_term += half_to_float(read_half(block + 2)) * x->sum[b * x->m8 + r];
-        } else {
-            for (int j = 0; j < BLOCK; j++) q[j] = (float)((const int8_t *)(block + 2))[j];
-        }
-        for (int j = 0; j < 8; j++) {
-            float dot = q[j] * xs[j];
-            for (int part = 1; part < 4; part++) dot += q[j + 8 * part] * xs[j + 8 * part];
-            lanes[j] += d * dot;
-        }
-    }
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) +
-           minimum_term;
+/* Portable C: the compiler vectorizes each block's loops (NEON on ARM64, SSE/AVX on x86 without AVX2), so they
+ * take the format as a constant and hold no branch. A block's 32 weights as integers, low nibbles first (Q8_0:
+ * the block's own bytes; Q4_1: unpacked into `unpacked`). */
+static inline __attribute__((always_inline)) const int8_t *block_integers(const uint8_t *block, const int FORMAT,
+                                                                        int8_t *unpacked) {
+    if (FORMAT == FORMAT_Q8_0) return (const int8_t *)(block + 2);
+    uint64_t packed[2], low[2], high[2]; /* 8 bytes' nibbles at a time (no byte shifts on SSE) */
+    memcpy(packed, block + 4, sizeof packed);
+    for (int i = 0; i < 2; i++)
+        low[i] = packed[i] & 0x0F0F0F0F0F0F0F0Full, high[i] = packed[i] >> 4 & 0x0F0F0F0F0F0F0F0Full;
+    memcpy(unpacked, low, sizeof low);
+    memcpy(unpacked + 16, high, sizeof high);
+    return unpacked;
 }
 
-/* Portable: the same integer dot products, one output at a time (the compiler vectorizes the inner loop). */
+/* Four float lanes in the compiler's vector extension (GCC and Clang: NEON, or SSE): what the loop vectorizer
+ * leaves as scalar code here. */
+typedef float float4 __attribute__((vector_size(16)));
+
+static inline float4 load4(const float *p) {
+    float4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The outputs of one column for a tile's rows (up to ROW_TILE): each block's weights unpacked once for all of
+ * them, each row summing its blocks in order, as it does alone. On float32 activations: per block
+ * d * sum(q_j * x_j) in eight lanes, as the AVX2 tile sums. */
+static inline __attribute__((always_inline)) void exact_outputs(const struct quantized_x *x, int64_t row, int64_t rows,
+                                                                const uint8_t *weight_row, const int FORMAT,
+                                                                float *out, int64_t n) {
+    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(FORMAT);
+    float4 lanes[ROW_TILE][2] = {{{0}}};
+    float minimum_term[ROW_TILE] = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = weight_row + b * bytes;
+        int8_t unpacked[BLOCK];
+        const int8_t *w = block_integers(block, FORMAT, unpacked);
+        float q[BLOCK];
+        for (int j = 0; j < BLOCK; j++) q[j] = (float)w[j];
+        const float d = half_to_float(read_half(block));
+        const float m = FORMAT == FORMAT_Q4_1 ? half_to_float(read_half(block + 2)) : 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xs = x->xf + (row + r) * x->k + b * BLOCK;
+            if (FORMAT == FORMAT_Q4_1) minimum_term[r] += m * x->sum[b * x->m8 + row + r];
+            for (int half = 0; half < 2; half++) {
+                float4 dot = load4(q + 4 * half) * load4(xs + 4 * half);
+                for (int part = 1; part < 4; part++)
+                    dot += load4(q + 8 * part + 4 * half) * load4(xs + 8 * part + 4 * half);
+                lanes[r][half] += d * dot;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float4 *l = lanes[r];
+        out[r * n] = ((l[0][0] + l[1][0]) + (l[0][1] + l[1][1])) + ((l[0][2] + l[1][2]) + (l[0][3] + l[1][3])) +
+                     minimum_term[r];
+    }
+}
+
+/* On 8-bit activations: per block the integer dot product of int8 weights and activations (nibbles fit in int8:
+ * the compiler's 8-bit dot products, ARM's sdot), times both scales. */
+static inline __attribute__((always_inline)) void quantized_outputs(const struct quantized_x *x, int64_t row,
+                                                                    int64_t rows, const uint8_t *weight_row,
+                                                                    const int FORMAT, float *out, int64_t n) {
+    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(FORMAT);
+    float total[ROW_TILE] = {0}, minimum_term[ROW_TILE] = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = weight_row + b * bytes;
+        int8_t unpacked[BLOCK];
+        const int8_t *w = block_integers(block, FORMAT, unpacked);
+        const float d = half_to_float(read_half(block));
+        const float m = FORMAT == FORMAT_Q4_1 ? half_to_float(read_half(block + 2)) : 0;
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *xq = x->q + (row + r) * x->k + b * BLOCK;
+            int dot = 0;
+            for (int j = 0; j < BLOCK; j++) dot += w[j] * xq[j];
+            if (FORMAT == FORMAT_Q4_1) minimum_term[r] += m * x->sum[b * x->m8 + row + r];
+            total[r] += (float)dot * (d * x->scale[(row + r) * blocks + b]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) out[r * n] = total[r] + minimum_term[r];
+}
+
+typedef void (*outputs_fn)(const struct quantized_x *, int64_t, int64_t, const uint8_t *, float *, int64_t);
+/* Each kind and format for any rows, and for one row (a decode step of one sequence: its loops over rows gone). */
+#define OUTPUTS_OF(KIND, FORMAT)                                                                                      \
+    static void KIND##_##FORMAT(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight_row,  \
+                                float *out, int64_t n) {                                                              \
+        if (rows == 1)                                                                                                \
+            KIND##_outputs(x, row, 1, weight_row, FORMAT, out, n);                                                    \
+        else                                                                                                          \
+            KIND##_outputs(x, row, rows, weight_row, FORMAT, out, n);                                                 \
+    }
+OUTPUTS_OF(exact, FORMAT_Q4_1)
+OUTPUTS_OF(exact, FORMAT_Q8_0)
+OUTPUTS_OF(quantized, FORMAT_Q4_1)
+OUTPUTS_OF(quantized, FORMAT_Q8_0)
+
+/* Portable: a column at a time for the tile's rows, specialized for its activations and block format. */
 static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
                              int64_t row_bytes, int format, float *out, int64_t n, int64_t first, int64_t last) {
-    const int64_t blocks = x->k / BLOCK, bytes = block_bytes(format);
-    if (x->exact) {
-        for (int64_t c = first; c < last; c++)
-            for (int64_t r = row; r < row + rows; r++)
-                out[(r - row) * n + c] = exact_output(x, r, weight + c * row_bytes, format);
-        return;
-    }
-    for (int64_t c = first; c < last; c++)
-        for (int64_t r = row; r < row + rows; r++) {
-            float total = 0, minimum_term = 0;
-            for (int64_t b = 0; b < blocks; b++) {
-                const uint8_t *block = weight + c * row_bytes + b * bytes;
-                const int8_t *xq = x->q + r * x->k + b * BLOCK;
-                int dot = 0;
-                if (format == FORMAT_Q4_1) {
-                    for (int j = 0; j < 16; j++) dot += (block[4 + j] & 0x0F) * xq[j] + (block[4 + j] >> 4) * xq[j + 16];
-                    minimum_term += half_to_float(read_half(block + 2)) * x->sum[b * x->m8 + r];
-                } else {
-                    for (int j = 0; j < BLOCK; j++) dot += ((const int8_t *)(block + 2))[j] * xq[j];
-                }
-                total += (float)dot * (half_to_float(read_half(block)) * x->scale[r * blocks + b]);
-            }
-            out[(r - row) * n + c] = total + minimum_term;
-        }
+    static const outputs_fn OUTPUTS[2][2] = {{quantized_FORMAT_Q4_1, quantized_FORMAT_Q8_0},
+                                             {exact_FORMAT_Q4_1, exact_FORMAT_Q8_0}};
+    const outputs_fn outputs = OUTPUTS[x->exact][format];
+    for (int64_t c = first; c < last; c++) outputs(x, row, rows, weight + c * row_bytes, out + c, n);
 }
 #endif
 
@@ -1693,14 +1752,27 @@ static float exponentiate(float *scores, int64_t length) {
     return total;
 }
 
+static inline void add_key_lanes(float *sums, float x, const void *keys, int64_t index, const int HALF) {
+    for (int lane = 0; lane < KEY_BLOCK; lane++) sums[lane] += x * load_kv(keys, index + lane, HALF);
+}
+
+/* A key block's positions in lanes (the compiler's vectors), each summed over d in order, as one position alone. */
 static void scores(const struct query *queries, int count, const void *keys, int64_t from, int64_t to,
                    int64_t head_dim, float scaling, int half) {
-    for (int q = 0; q < count; q++)
-        for (int64_t p = from; p < to && p < queries[q].length; p++) {
-            float sum = 0;
-            for (int64_t d = 0; d < head_dim; d++) sum += queries[q].q[d] * load_kv(keys, key_offset(p, d, head_dim), half);
-            queries[q].scores[p] = sum * scaling;
+    for (int q = 0; q < count; q++) {
+        const int64_t end = to < queries[q].length ? to : queries[q].length;
+        for (int64_t first = from / KEY_BLOCK * KEY_BLOCK; first < end; first += KEY_BLOCK) {
+            const int64_t block = first * head_dim;
+            float sums[KEY_BLOCK] = {0};
+            for (int64_t d = 0; d < head_dim; d++)
+                if (half)
+                    add_key_lanes(sums, queries[q].q[d], keys, block + d * KEY_BLOCK, 1);
+                else
+                    add_key_lanes(sums, queries[q].q[d], keys, block + d * KEY_BLOCK, 0);
+            for (int64_t p = first > from ? first : from; p < first + KEY_BLOCK && p < end; p++)
+                queries[q].scores[p] = sums[p - first] * scaling;
         }
+    }
 }
 
 static void weighted_sums(const struct query *queries, int count, const void *values, int64_t from, int64_t to,
