@@ -1045,18 +1045,19 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
     for (; c < last; c++) one_column[rows](x, row, weight + c * row_bytes, row_bytes, out + c, n);
 }
 #else
+typedef uint8_t bytes16 __attribute__((vector_size(16))); /* the compiler's vectors: NEON's, or SSE's */
+
 /* Portable C: the compiler vectorizes each block's loops (NEON on ARM64, SSE/AVX on x86 without AVX2), so they
  * take the format as a constant and hold no branch. A block's 32 weights as integers, low nibbles first (Q8_0:
  * the block's own bytes; Q4_1: unpacked into `unpacked`). */
 static inline __attribute__((always_inline)) const int8_t *block_integers(const uint8_t *block, const int FORMAT,
                                                                         int8_t *unpacked) {
     if (FORMAT == FORMAT_Q8_0) return (const int8_t *)(block + 2);
-    uint64_t packed[2], low[2], high[2]; /* 8 bytes' nibbles at a time (no byte shifts on SSE) */
-    memcpy(packed, block + 4, sizeof packed);
-    for (int i = 0; i < 2; i++)
-        low[i] = packed[i] & 0x0F0F0F0F0F0F0F0Full, high[i] = packed[i] >> 4 & 0x0F0F0F0F0F0F0F0Full;
-    memcpy(unpacked, low, sizeof low);
-    memcpy(unpacked + 16, high, sizeof high);
+    bytes16 packed, low, high;
+    memcpy(&packed, block + 4, sizeof packed);
+    low = packed & 0x0F, high = packed >> 4;
+    memcpy(unpacked, &low, sizeof low);
+    memcpy(unpacked + 16, &high, sizeof high);
     return unpacked;
 }
 
