@@ -110,9 +110,17 @@ def test_a_bad_timeout_is_refused(make_engine, tiny_model_dir, bad):
     assert getattr(caught.value, "param", None) == "timeout"
 
 
-def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir):
+def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir, max_batch_size=1, max_queue=8, max_queue_per_client=3)
     finished = queue.Queue()  # every request's events, in the order the engine produced them
+    # The scheduler holds its first step's outputs until the queue is full, so that the running request cannot
+    # finish (and let a waiting one in) while the cap is checked, however slowly this thread runs.
+    queue_full, process = threading.Event(), engine.core.process
+    def process_once_full(output):
+        assert queue_full.wait(60), "the test never filled the queue"
+        process(output)
+
+    monkeypatch.setattr(engine.core, "process", process_once_full)
     def submit_hog(i):
         return engine.submit("Hello", SamplingParams(max_tokens=20, ignore_eos=True), client_id="hog",
                              sink=finished, request_id=f"hog-{i}")
@@ -123,6 +131,7 @@ def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir):
     with pytest.raises(Overloaded):
         engine.submit("Hello", GREEDY, client_id="hog")
     engine.submit("Hi", GREEDY, client_id="polite", sink=finished, request_id="polite")
+    queue_full.set()
     order = []
     while len(order) < 5:
         event = finished.get(timeout=120)

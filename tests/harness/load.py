@@ -367,7 +367,8 @@ def _collect_streams(ws, ids: dict, refs: References, traffic: CheckedTraffic, s
 
 
 def texts_and_finals(result: WsReadResult, ids: dict, traffic: CheckedTraffic) -> tuple[dict, dict]:
-    """Each stream's text, its final frame, and the gaps between its consecutive deltas (as they arrived)."""
+    """Each stream's text, its final frame (the first: a cancel sent as the stream ended is answered
+    `unknown_id` after it), and the gaps between its consecutive deltas (as they arrived)."""
     texts = {request_id: "" for request_id in ids}
     last_delta: dict[str, float] = {}
     finals = {}
@@ -379,7 +380,10 @@ def texts_and_finals(result: WsReadResult, ids: dict, traffic: CheckedTraffic) -
                 traffic.record_gap(arrived - last_delta[request_id])
             last_delta[request_id] = arrived
         elif message.get("type") in ("done", "error"):
-            finals[request_id] = message
+            if request_id not in finals:
+                finals[request_id] = message
+            elif message.get("code") != "unknown_id":  # only a cancel that crossed the stream's done may follow it
+                traffic.record_failure("ws", f"a second final frame for {request_id}: {message}")
     return texts, finals
 
 
