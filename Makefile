@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server llama-server-avx2 \
-	screenshots clean
+.PHONY: serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server \
+	llama-server-avx2 screenshots clean
 
 serve: setup model
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app

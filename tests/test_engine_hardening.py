@@ -128,10 +128,12 @@ def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir, monkeyp
     hog = [submit_hog(0)]
     wait_until(lambda: engine.num_running == 1)
     hog += [submit_hog(i) for i in range(1, 4)]  # one running, three waiting: its cap
-    with pytest.raises(Overloaded):
-        engine.submit("Hello", GREEDY, client_id="hog")
-    engine.submit("Hi", GREEDY, client_id="polite", sink=finished, request_id="polite")
-    queue_full.set()
+    try:
+        with pytest.raises(Overloaded):
+            engine.submit("Hello", GREEDY, client_id="hog")
+        engine.submit("Hi", GREEDY, client_id="polite", sink=finished, request_id="polite")
+    finally:
+        queue_full.set()
     order = []
     while len(order) < 5:
         event = finished.get(timeout=120)
