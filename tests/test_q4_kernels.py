@@ -3,9 +3,11 @@ why; the blocks are the model's weights; the matmul within its error bound and e
 batch, with or without the helper thread; a prompt chunked, whole or decoded token by token computes the same bits;
 quality against the float32 dequantized GGUF; the portable C under the capability mask; bad inputs refused. Each on
 8-bit activations (weights=q4, llama.cpp's arithmetic) and on float32 ones (weights=exact)."""
+import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,8 +16,8 @@ from engine import hardware
 from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
 from engine.backends.kv_cache import SlotKVCache, use_slot_attention
-from engine.backends.q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights, SlotTables,
-                               QuantizedWeight, KEY_BLOCK, error_bound, key_positions, load_q4_kernels)
+from engine.backends.q4 import (BLOCK_BYTES, FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights,
+                               SlotTables, QuantizedWeight, KEY_BLOCK, error_bound, key_positions, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
 
 # A fixed English text (the model's own kind of answer) for the quality check.
@@ -59,18 +61,22 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     info = backend.info
     assert (info.weights, info.dtype) == ("q4_1", "float32")
     has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
-    has_vnni = has_vnni_kernels(host.flags)
+    has_vnni, has_neon_dot = has_vnni_kernels(host.flags), has_neon_dot_kernels(host.flags)
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
     assert backend.fast_decoder.q4.uses_vnni == has_vnni
     assert backend.fast_decoder.q4.uses_avx512 == has_avx512_kernels(host.flags)
-    assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "portable C") in info.compute
+    assert backend.fast_decoder.q4.uses_neon_dot == has_neon_dot
+    assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "NEON+dotprod" if has_neon_dot
+            else "portable C") in info.compute
     assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     assert not backend.fast_decoder.q4.exact and "8-bit activations" in info.compute
-    # AVX2 reads the blocks regrouped by 8 rows (vertical dot products); the portable C reads them as they are
+    # AVX2 and ARM64's sdot read the blocks regrouped by 8 rows (vertical dot products); the portable C reads
+    # them as they are
+    interleaved = has_avx2 or has_neon_dot
     stack = backend.fast_decoder.q4_stack
-    assert (stack.layer_format, stack.lm_head_format) == ((FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if has_avx2
+    assert (stack.layer_format, stack.lm_head_format) == ((FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if interleaved
                                                           else (FORMAT_Q4_1, FORMAT_Q8_0))
-    assert ("interleaved by 8 rows" in info.compute) == has_avx2
+    assert ("interleaved by 8 rows" in info.compute) == interleaved
     backend.close()
     exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
     assert (exact.info.weights, exact.info.dtype) == ("q4_1", "float32")
@@ -236,6 +242,12 @@ def has_vnni_kernels(flags) -> bool:
                                                   or "avx_vnni" in flags)
 
 
+def has_neon_dot_kernels(flags) -> bool:
+    """Whether q4_kernels.c builds its NEON tiles with 8-bit dot products for a CPU with these flags (ARM64's
+    asimddp: its LOCKSTEP_NEON_DOT)."""
+    return platform.machine() in ("aarch64", "arm64") and "asimddp" in flags
+
+
 def has_avx512_kernels(flags) -> bool:
     """Whether q4_kernels.c builds its 16-column AVX-512 tiles for a CPU with these flags (its LOCKSTEP_AVX512)."""
     return {"avx2", "fma", "f16c", "avx512f", "avx512bw"} <= flags
@@ -253,10 +265,11 @@ def kernels_with_flags_hidden(monkeypatch, folder, hidden: str, exact: bool = Fa
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_model, activations):
     """What a host without AVX2 runs, built and checked here by hiding the instructions from the compiler."""
-    portable, masked_flags = kernels_with_flags_hidden(monkeypatch, tmp_path, "avx2,fma,f16c,avx512f",
+    portable, masked_flags = kernels_with_flags_hidden(monkeypatch, tmp_path, "avx2,fma,f16c,avx512f,asimddp",
                                                        ACTIVATIONS[activations])
-    assert portable is not None and not portable.uses_avx2 and "portable C" in portable.name
-    assert not {"avx2", "fma"} & masked_flags
+    assert portable is not None and not portable.uses_avx2 and not portable.uses_neon_dot
+    assert "portable C" in portable.name and not portable.interleaves
+    assert not {"avx2", "fma", "asimddp"} & masked_flags
     _, weights = gguf_model
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     for weight in (weights.layers[0].qkv, weights.lm_head):
@@ -271,6 +284,73 @@ def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_mo
         with torch.inference_mode():
             reference = model(input_ids=ids[None]).logits[0]
         assert torch.allclose(got, reference, atol=1e-3) and torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+def fused_multiply_add(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a * b + c rounded once to float32 (as an FMA instruction), for float32 arrays: the product is exact in
+    float64, the sum's rounding error is recovered exactly (TwoSum), and it decides where the float64 sum lands on a
+    float32 tie."""
+    product, addend = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    total = product + addend
+    virtual = total - product
+    error = (product - (total - virtual)) + (addend - virtual)
+    rounded = total.astype(np.float32)
+    toward = np.nextafter(rounded, np.where(total > rounded, np.float32(np.inf), np.float32(-np.inf)))
+    tie = (total == (rounded.astype(np.float64) + toward.astype(np.float64)) / 2) & (error != 0)
+    away = tie & ((error > 0) == (toward > rounded))  # the exact sum lies past the tie, on toward's side
+    return np.where(away, toward, rounded)
+
+
+def matmul_as_documented(x: torch.Tensor, weight: QuantizedWeight, fused: bool) -> torch.Tensor:
+    """q4_kernels.c's 8-bit matmul, operation by operation in float32, from its comments: each block of 32 of a row
+    of x to 8 bits (dx = amax / 127, q = x / dx to the nearest, ties to even; sx = dx * sum q), then per block the
+    integer dot product whole, acc += dot * (dw * dx) and, for Q4_1, minimum += mw * sx, in block order; out =
+    acc + minimum. `fused`: the tiles' FMAs (the interleaving builds: AVX2, AVX-512, ARM64's sdot); else each
+    multiply and add rounded apart (the portable C)."""
+    f32 = np.float32
+    xs = x.numpy().astype(f32).reshape(x.shape[0], -1, 32)  # [M, blocks, 32]
+    dx = np.abs(xs).max(-1) / f32(127)
+    inverse = np.where(dx != 0, f32(1) / np.where(dx != 0, dx, f32(1)), f32(0)).astype(f32)
+    q = np.rint(xs * inverse[..., None]).astype(np.int64)
+    sx = (dx * q.sum(-1).astype(f32)).astype(f32)
+    raw = weight.blocks.numpy().reshape(weight.out_features, -1, BLOCK_BYTES[weight.format])
+    dw = raw[..., 0:2].copy().view(np.float16).astype(f32)[..., 0]  # [N, blocks]
+    if weight.format == FORMAT_Q4_1:
+        nibbles = raw[..., 4:].astype(np.int64)
+        w = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+        mw = raw[..., 2:4].copy().view(np.float16).astype(f32)[..., 0]
+    else:
+        w, mw = raw[..., 2:].copy().view(np.int8).astype(np.int64), np.zeros_like(dw)
+    acc = minimum = np.zeros((x.shape[0], weight.out_features), dtype=f32)
+    for b in range(xs.shape[1]):
+        dot = (q[:, b] @ w[:, b].T).astype(f32)  # [M, N], exact
+        scale = (dw[None, :, b] * dx[:, b, None]).astype(f32)
+        sums = np.broadcast_to(sx[:, b, None], acc.shape).astype(f32)
+        mws = np.broadcast_to(mw[None, :, b], acc.shape).astype(f32)
+        if fused:
+            acc, minimum = fused_multiply_add(dot, scale, acc), fused_multiply_add(mws, sums, minimum)
+        else:
+            acc, minimum = (acc + dot * scale).astype(f32), (minimum + mws * sums).astype(f32)
+    return torch.from_numpy(acc + minimum if weight.format == FORMAT_Q4_1 else acc)
+
+
+def test_every_build_computes_the_documented_8_bit_arithmetic_bit_for_bit(monkeypatch, tmp_path, gguf_model):
+    """This host's 8-bit matmul (AVX2, AVX-512, VNNI or ARM64's sdot tiles, which fuse each multiply-add) and the
+    portable C (which rounds each apart) give exactly the float32 operations their comments document, at each
+    tile's row counts and both block formats: so every interleaving build gives the same bits as any other, x86's
+    and ARM64's alike."""
+    native = load_q4_kernels(str(tmp_path / "native"), helpers=1)
+    portable, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "portable", "avx2,fma,f16c,avx512f,asimddp")
+    assert not portable.interleaves
+    _, weights = gguf_model
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+        x[0, :32] = 0  # a block of zeros: dx = 0
+        for whole in (weights.layers[0].gate_up, weights.lm_head):
+            weight = QuantizedWeight(whole.blocks[:24].contiguous(), whole.format, 24, whole.in_features)
+            for kernels in (native, portable):
+                expected = matmul_as_documented(x, weight, fused=kernels.interleaves)
+                assert torch.equal(kernels.linear(x, kernels.interleaved(weight)), expected), (kernels.name, rows)
 
 
 @pytest.mark.skipif(not has_vnni_kernels(hardware.cpu_flags()),

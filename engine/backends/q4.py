@@ -67,8 +67,13 @@ class Q4Kernels:
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
         self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
+        self.uses_neon_dot = bool(library.lockstep_q4_uses_neon_dot())  # ARM64's sdot tiles, the AVX2 tiles' bits
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
+        # the weights read regrouped by 8 rows (Q4_1_X8, Q8_0_X8): so the AVX2 kernels read them on both kinds of
+        # activations (a one-row step 1.5x as fast), ARM64's sdot tiles on 8-bit ones; the portable C reads the
+        # plain blocks
+        self.interleaves = bool(library.lockstep_q4_interleaves(int(exact)))
         # keys and values: float32 beside float32 activations, else float16 (half the bytes a step reads per
         # position; its 11 bits are more than the 8 the activations keep)
         self.kv_dtype = torch.float32 if exact else torch.float16
@@ -79,15 +84,11 @@ class Q4Kernels:
         if self.uses_avx2:
             isa = "AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "") + \
                 ("+AVX-512" if self.uses_avx512 else "")
+        elif self.uses_neon_dot and not self.exact:
+            isa = "NEON+dotprod"
         return f"lockstep's 4-bit kernels ({isa}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
                f"{', blocks interleaved by 8 rows' if self.interleaves else ''})"
-
-    @property
-    def interleaves(self) -> bool:
-        """Whether the weights are read regrouped by 8 rows: the AVX2 kernels read them so, on 8-bit activations
-        (a one-row step 1.5x as fast) and on float32 ones; the portable C reads the plain blocks."""
-        return self.uses_avx2
 
     def interleaved(self, weight: "QuantizedWeight") -> "QuantizedWeight":
         """A weight regrouped as the interleaved kernel reads it (the same bytes in another order), or the weight
@@ -108,7 +109,7 @@ class Q4Kernels:
         failed = self._linear(rows.data_ptr(), weight.blocks.data_ptr(), weight.format, out.data_ptr(), rows.shape[0],
                               weight.out_features, weight.in_features, self.helpers, self.exact)
         if failed == -2:
-            raise ValueError("linear: an interleaved weight needs the AVX2 kernels and rows % 8 == 0")
+            raise ValueError("linear: an interleaved weight for kernels that do not read them, or rows % 8")
         if failed:
             raise MemoryError("linear: no memory for its scratch buffer")
         return out.view(*x.shape[:-1], weight.out_features)
@@ -483,6 +484,9 @@ def compile_flags() -> tuple[str, ...]:
     """-O3 for this CPU, less what the capability mask hides; -ffp-contract=off: no FMA where the source says
     multiply, then add (the weights dequantize as gguf-py's)."""
     if platform.machine() in ("aarch64", "arm64"):
-        return "-O3", "-mcpu=native", "-ffp-contract=off", "-shared", "-fPIC"
+        # the mask's asimddp hides the dot products from q4_kernels.c's choice of tiles (its portable C then runs,
+        # as on a core without them); the compiler may still use them in its vectorized loops
+        hidden = () if "asimddp" in cpu_flags() else ("-U__ARM_FEATURE_DOTPROD",)
+        return "-O3", "-mcpu=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"
     hidden = tuple(flag for name, flag in MASKABLE_X86.items() if name not in cpu_flags())
     return "-O3", "-march=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"

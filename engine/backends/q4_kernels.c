@@ -65,6 +65,16 @@
 #define LOCKSTEP_AVX512 0
 #endif
 
+/* ARM64 with ARMv8.2's 8-bit dot products (sdot: Neoverse N1 and later, Cortex-A76 and later, Apple M1): the
+ * interleaved blocks on NEON tiles, lane by lane the AVX2 tiles' operations (8-bit activations; float32 ones read
+ * the plain blocks in the portable C). */
+#if !LOCKSTEP_AVX2 && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define LOCKSTEP_NEON_DOT 1
+#include <arm_neon.h>
+#else
+#define LOCKSTEP_NEON_DOT 0
+#endif
+
 #define BLOCK 32
 #define Q4_1_BYTES 20
 #define Q8_0_BYTES 34
@@ -79,6 +89,9 @@ enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3 
 int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
 int lockstep_q4_uses_vnni(void) { return LOCKSTEP_VNNI; }
 int lockstep_q4_uses_avx512(void) { return LOCKSTEP_AVX512; }
+int lockstep_q4_uses_neon_dot(void) { return LOCKSTEP_NEON_DOT; }
+/* Whether this build's matmuls read the interleaved blocks (Q4_1_X8, Q8_0_X8) on these activations. */
+int lockstep_q4_interleaves(int exact) { return LOCKSTEP_AVX2 || (LOCKSTEP_NEON_DOT && !exact); }
 
 static inline float half_to_float(uint16_t h) {
 #if LOCKSTEP_AVX2
@@ -970,67 +983,6 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
     }
 }
 
-#define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
-    do {                                                                                                            \
-        if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
-        else if ((ROWS_LEFT) == 2) FN(__VA_ARGS__, 2);                                                              \
-        else if ((ROWS_LEFT) == 3) FN(__VA_ARGS__, 3);                                                              \
-        else FN(__VA_ARGS__, 4);                                                                                    \
-    } while (0)
-
-#define X8_TILE8(FN, ROWS_LEFT, ...)                                                                                \
-    do {                                                                                                            \
-        switch (ROWS_LEFT) {                                                                                        \
-        case 1: FN(__VA_ARGS__, 1); break;                                                                          \
-        case 2: FN(__VA_ARGS__, 2); break;                                                                          \
-        case 3: FN(__VA_ARGS__, 3); break;                                                                          \
-        case 4: FN(__VA_ARGS__, 4); break;                                                                          \
-        case 5: FN(__VA_ARGS__, 5); break;                                                                          \
-        case 6: FN(__VA_ARGS__, 6); break;                                                                          \
-        case 7: FN(__VA_ARGS__, 7); break;                                                                          \
-        default: FN(__VA_ARGS__, 8);                                                                                \
-        }                                                                                                           \
-    } while (0)
-
-/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
- * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
- * groups stay in L2. */
-static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
-                       int64_t first, int64_t last) {
-    const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
-    if (x->exact) {
-        x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
-        return;
-    }
-#if LOCKSTEP_AVX512
-    if (format == FORMAT_Q4_1_X8 && x->m >= X8_WIDE_ROWS) {
-        for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
-            int64_t rows = x->m - r < X8_ROWS16 ? x->m - r : X8_ROWS16, c = first;
-            for (; last - c >= 16; c += 16) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes,
-                                                     out + r * n + c, n);
-            for (int64_t row = r; c < last && row < r + rows; row += 4) /* the last 8 columns */
-                X8_TILE(x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n);
-        }
-        return;
-    }
-#endif
-    for (int64_t r = 0; r < x->m; r += 4) {
-        int64_t rows = x->m - r < 4 ? x->m - r : 4;
-        for (int64_t c = first; c < last; c += 8) {
-            const uint8_t *group = weight + c / 8 * group_bytes;
-#if LOCKSTEP_AVX512
-            if (format == FORMAT_Q8_0_X8 && x->m >= X8_WIDE_ROWS && last - c >= 16) {
-                X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
-                c += 8;
-                continue;
-            }
-#endif
-            if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n);
-            else X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
-        }
-    }
-}
-
 /* Columns [first, last) for rows row..row+rows-1 (rows <= ROW_TILE); a lone row takes four columns at a time, so
  * that four chains of FMAs hide each other's latency. */
 static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t rows, const uint8_t *weight,
@@ -1155,12 +1107,173 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
 }
 #endif
 
+#if LOCKSTEP_NEON_DOT
+/* The NEON tiles: 8 columns in two int32x4 / float32x4 halves, column j in lane j % 4 of half j / 4. The interleaved
+ * layout puts 4 weights of 4 columns in 16 bytes, so each lane's sdot multiplies its column's 4 weights by 4
+ * activations taken from a lane of the row's block (sdot by element: no broadcast). Per block the integer dot
+ * products are whole, then, as in x8_tile on AVX2, acc += dot * (dw * dx) and minimum += mw * sx by fused
+ * multiply-adds and out = acc + minimum: the same operations per output, so the same bits as on x86. */
+static inline __attribute__((always_inline)) float32x4_t half_scales(const uint8_t *halves, int h) {
+    const float16x8_t eight = vld1q_f16((const __fp16 *)halves);
+    return h ? vcvt_high_f32_f16(eight) : vcvt_f32_f16(vget_low_f16(eight));
+}
+
+/* The rows' 8-bit activations of block b: bytes 0-15 and 16-31, as lanes of 4 for sdot by element. */
+static inline __attribute__((always_inline)) void block_activations(const struct quantized_x *x, int64_t row,
+                                                                    int64_t b, int8x16_t xs[4][2], const int ROWS) {
+    for (int r = 0; r < ROWS; r++) {
+        xs[r][0] = vld1q_s8(x->q + (row + r) * x->k + b * BLOCK);
+        xs[r][1] = vld1q_s8(x->q + (row + r) * x->k + b * BLOCK + 16);
+    }
+}
+
+#define SDOT_LANE(acc, w, xs, LANE) vdotq_laneq_s32((acc), (w), (xs), (LANE))
+/* Per 16 bytes of weights (4 columns): Q4_1's low nibbles are weights 4i..4i+3, the high ones 16+4i..16+4i+3. */
+#define Q4_1_DOTS(I)                                                                                                \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            const uint8x16_t packed = vld1q_u8(g + 32 + 32 * (I) + 16 * h);                                        \
+            const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, nibble));                                    \
+            const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));                                      \
+            for (int r = 0; r < ROWS; r++)                                                                          \
+                dots[r][h] = SDOT_LANE(SDOT_LANE(dots[r][h], low, xs[r][0], I), high, xs[r][1], I);                \
+        }                                                                                                           \
+    } while (0)
+
+static inline __attribute__((always_inline)) void x8_tile(const struct quantized_x *x, int64_t row,
+                                                          const uint8_t *group, float *out, int64_t n, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    const uint8x16_t nibble = vdupq_n_u8(0x0F);
+    float32x4_t acc[4][2], minimum[4][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = minimum[r][h] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *g = group + b * X8_GROUP_BYTES;
+        int8x16_t xs[4][2];
+        int32x4_t dots[4][2];
+        block_activations(x, row, b, xs, ROWS);
+        for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
+        Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
+        for (int h = 0; h < 2; h++) {
+            const float32x4_t d = half_scales(g, h), m = half_scales(g + 16, h);
+            for (int r = 0; r < ROWS; r++) {
+                const float dx = x->scale[(row + r) * blocks + b], sx = x->sum[b * x->m8 + row + r];
+                acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
+                minimum[r][h] = vfmaq_n_f32(minimum[r][h], m, sx);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, vaddq_f32(acc[r][h], minimum[r][h]));
+}
+
+/* Q8_0_X8: vector i holds weights 4i..4i+3 of each column (bytes 0-15: columns 0-3). */
+#define Q8_0_DOTS(I)                                                                                                \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            const int8x16_t w = vld1q_s8((const int8_t *)g + 16 + 32 * (I) + 16 * h);                               \
+            for (int r = 0; r < ROWS; r++) dots[r][h] = SDOT_LANE(dots[r][h], w, xs[r][(I) / 4], (I) % 4);         \
+        }                                                                                                           \
+    } while (0)
+
+static inline __attribute__((always_inline)) void q8_x8_tile(const struct quantized_x *x, int64_t row,
+                                                             const uint8_t *group, float *out, int64_t n,
+                                                             const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    float32x4_t acc[4][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *g = group + b * Q8_X8_GROUP_BYTES;
+        int8x16_t xs[4][2];
+        int32x4_t dots[4][2];
+        block_activations(x, row, b, xs, ROWS);
+        for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
+        Q8_0_DOTS(0); Q8_0_DOTS(1); Q8_0_DOTS(2); Q8_0_DOTS(3);
+        Q8_0_DOTS(4); Q8_0_DOTS(5); Q8_0_DOTS(6); Q8_0_DOTS(7);
+        for (int h = 0; h < 2; h++) {
+            const float32x4_t d = half_scales(g, h);
+            for (int r = 0; r < ROWS; r++) {
+                const float dx = x->scale[(row + r) * blocks + b];
+                acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, acc[r][h]);
+}
+#endif
+
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+#define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
+    do {                                                                                                            \
+        if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
+        else if ((ROWS_LEFT) == 2) FN(__VA_ARGS__, 2);                                                              \
+        else if ((ROWS_LEFT) == 3) FN(__VA_ARGS__, 3);                                                              \
+        else FN(__VA_ARGS__, 4);                                                                                    \
+    } while (0)
+
+#define X8_TILE8(FN, ROWS_LEFT, ...)                                                                                \
+    do {                                                                                                            \
+        switch (ROWS_LEFT) {                                                                                        \
+        case 1: FN(__VA_ARGS__, 1); break;                                                                          \
+        case 2: FN(__VA_ARGS__, 2); break;                                                                          \
+        case 3: FN(__VA_ARGS__, 3); break;                                                                          \
+        case 4: FN(__VA_ARGS__, 4); break;                                                                          \
+        case 5: FN(__VA_ARGS__, 5); break;                                                                          \
+        case 6: FN(__VA_ARGS__, 6); break;                                                                          \
+        case 7: FN(__VA_ARGS__, 7); break;                                                                          \
+        default: FN(__VA_ARGS__, 8);                                                                                \
+        }                                                                                                           \
+    } while (0)
+
+/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
+ * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
+ * groups stay in L2. */
+static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
+                       int64_t first, int64_t last) {
+    const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
+#if LOCKSTEP_AVX2
+    if (x->exact) {
+        x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
+        return;
+    }
+#endif
+#if LOCKSTEP_AVX512
+    if (format == FORMAT_Q4_1_X8 && x->m >= X8_WIDE_ROWS) {
+        for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
+            int64_t rows = x->m - r < X8_ROWS16 ? x->m - r : X8_ROWS16, c = first;
+            for (; last - c >= 16; c += 16) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes,
+                                                     out + r * n + c, n);
+            for (int64_t row = r; c < last && row < r + rows; row += 4) /* the last 8 columns */
+                X8_TILE(x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n);
+        }
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < x->m; r += 4) {
+        int64_t rows = x->m - r < 4 ? x->m - r : 4;
+        for (int64_t c = first; c < last; c += 8) {
+            const uint8_t *group = weight + c / 8 * group_bytes;
+#if LOCKSTEP_AVX512
+            if (format == FORMAT_Q8_0_X8 && x->m >= X8_WIDE_ROWS && last - c >= 16) {
+                X8_TILE(q8_x8_tile16, rows, x, r, group, group_bytes, out + r * n + c, n);
+                c += 8;
+                continue;
+            }
+#endif
+            if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n);
+            else X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
+        }
+    }
+}
+#endif
+
 /* out[M, N] columns [first, last) = x @ W.T: rows in L2-sized blocks, each weight row reused from L1 for ROW_TILE
  * rows at a time. */
 static void linear_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                            int64_t first, int64_t last) {
-#if LOCKSTEP_AVX2
-    if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* AVX2 only (see x8_runs) */
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+    if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* where the build reads them (see x8_runs) */
         x8_columns(x, weight, format, out, n, first, last);
         return;
     }
@@ -1354,16 +1467,17 @@ static void matmul(int shared, const float *x, void *scratch, const uint8_t *wei
     run_units(shared, linear_unit, &job, (n + columns - 1) / columns);
 }
 
-static int x8_runs(int format, int64_t n) {
-    return (format != FORMAT_Q4_1_X8 && format != FORMAT_Q8_0_X8) || (LOCKSTEP_AVX2 && n % 8 == 0);
+static int x8_runs(int format, int64_t n, int exact) {
+    const int interleaved = format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8;
+    return !interleaved || (lockstep_q4_interleaves(exact) && n % 8 == 0);
 }
 
 /* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0; `exact`:
  * x as it is (1) or rounded to 8 bits per 32 (0). Returns 0, -1 if scratch memory could not be had, or -2 for
- * an interleaved format where it cannot run (no AVX2, N % 8). */
+ * an interleaved format where it cannot run (a build that reads none on these activations, N % 8). */
 int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float *out, int64_t m, int64_t n,
                        int64_t k, int helpers, int exact) {
-    if (!x8_runs(format, n)) return -2;
+    if (!x8_runs(format, n, exact)) return -2;
     void *scratch = malloc(quantized_x_bytes(m, k));
     if (!scratch) return -1;
     int shared = begin_shared(helpers);
@@ -1949,8 +2063,8 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     for (int64_t s = 0; s < slot_count; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
     const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim, kv_bytes = exact ? 4 : 2;
-    if (!x8_runs(layer_format, qkv_width) || !x8_runs(layer_format, width) ||
-        !x8_runs(layer_format, 2 * intermediate) || !x8_runs(lm_head_format, vocabulary))
+    if (!x8_runs(layer_format, qkv_width, exact) || !x8_runs(layer_format, width, exact) ||
+        !x8_runs(layer_format, 2 * intermediate, exact) || !x8_runs(lm_head_format, vocabulary, exact))
         return -2;
     const int64_t attended_width = heads * head_dim;
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
