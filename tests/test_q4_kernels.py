@@ -81,9 +81,9 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     exact = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact"), smol_model_dir)
     assert (exact.info.weights, exact.info.dtype) == ("q4_1", "float32")
     assert exact.fast_decoder.q4.exact and "float32 activations" in exact.info.compute
-    # float32 activations read the same regrouped blocks on AVX2 (a float GEMM's broadcast FMAs), plain ones elsewhere
+    # float32 activations read the same regrouped blocks (a float GEMM's broadcast FMAs), plain ones elsewhere
     assert (exact.fast_decoder.q4_stack.layer_format, exact.fast_decoder.q4_stack.lm_head_format) == (
-        (FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if has_avx2 else (FORMAT_Q4_1, FORMAT_Q8_0))
+        (FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if interleaved else (FORMAT_Q4_1, FORMAT_Q8_0))
     assert "weights=exact" in exact.info.compute_reason
     exact.close()
     configured = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", weights="exact", dtype="bfloat16"),
@@ -305,7 +305,7 @@ def matmul_as_documented(x: torch.Tensor, weight: QuantizedWeight, fused: bool) 
     """q4_kernels.c's 8-bit matmul, operation by operation in float32, from its comments: each block of 32 of a row
     of x to 8 bits (dx = amax / 127, q = x / dx to the nearest, ties to even; sx = dx * sum q), then per block the
     integer dot product whole, acc += dot * (dw * dx) and, for Q4_1, minimum += mw * sx, in block order; out =
-    acc + minimum. `fused`: the tiles' FMAs (the interleaving builds: AVX2, AVX-512, ARM64's sdot); else each
+    acc + minimum. `fused`: the tiles' FMAs (the interleaving builds: AVX2, AVX-512, ARM64's NEON); else each
     multiply and add rounded apart (the portable C)."""
     f32 = np.float32
     xs = x.numpy().astype(f32).reshape(x.shape[0], -1, 32)  # [M, blocks, 32]
@@ -334,22 +334,42 @@ def matmul_as_documented(x: torch.Tensor, weight: QuantizedWeight, fused: bool) 
     return torch.from_numpy(acc + minimum if weight.format == FORMAT_Q4_1 else acc)
 
 
-def test_every_build_computes_the_documented_8_bit_arithmetic_bit_for_bit(monkeypatch, tmp_path, gguf_model):
-    """This host's 8-bit matmul (AVX2, AVX-512, VNNI or ARM64's sdot tiles, which fuse each multiply-add) and the
-    portable C (which rounds each apart) give exactly the float32 operations their comments document, at each
-    tile's row counts and both block formats: so every interleaving build gives the same bits as any other, x86's
-    and ARM64's alike."""
-    native = load_q4_kernels(str(tmp_path / "native"), helpers=1)
-    portable, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "portable", "avx2,fma,f16c,avx512f,asimddp")
+def exact_matmul_as_documented(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The interleaving builds' matmul on float32 activations, from q4_kernels.c's comments: each weight
+    dequantized as gguf-py does (d * q + m in one FMA, exact as its multiply, then add), then each output one chain
+    of FMAs over K in order."""
+    dense = weight.dequantized().numpy()  # [N, K], the same float32 numbers
+    xs, acc = x.numpy(), np.zeros((x.shape[0], weight.out_features), dtype=np.float32)
+    for position in range(weight.in_features):
+        acc = fused_multiply_add(xs[:, position, None], dense[None, :, position], acc)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_every_build_computes_the_documented_arithmetic_bit_for_bit(monkeypatch, tmp_path, gguf_model,
+                                                                     activations):
+    """This host's matmul (AVX2, AVX-512, VNNI or ARM64's NEON tiles, which fuse each multiply-add) gives exactly
+    the float32 operations its comments document, at each tile's row counts and both block formats: so every
+    interleaving build gives the same bits as any other, x86's and ARM64's alike. On 8-bit activations the
+    portable C (which rounds each multiply and add apart) does too."""
+    exact = ACTIVATIONS[activations]
+    native = load_q4_kernels(str(tmp_path / "native"), helpers=1, exact=exact)
+    portable, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "portable", "avx2,fma,f16c,avx512f,asimddp",
+                                            exact)
     assert not portable.interleaves
+    builds = [kernels for kernels in (native, portable) if kernels.interleaves or not exact]
+    if not builds:  # the portable C's float32 sums are in lanes: checked against their bound elsewhere
+        pytest.skip("this CPU has neither AVX2+FMA+F16C nor ARM64's dot products (asimddp), so no build here "
+                    "computes the float32 activations' one chain of FMAs")
     _, weights = gguf_model
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
         x[0, :32] = 0  # a block of zeros: dx = 0
         for whole in (weights.layers[0].gate_up, weights.lm_head):
             weight = QuantizedWeight(whole.blocks[:24].contiguous(), whole.format, 24, whole.in_features)
-            for kernels in (native, portable):
-                expected = matmul_as_documented(x, weight, fused=kernels.interleaves)
+            for kernels in builds:
+                expected = exact_matmul_as_documented(x, weight) if exact else \
+                    matmul_as_documented(x, weight, fused=kernels.interleaves)
                 assert torch.equal(kernels.linear(x, kernels.interleaved(weight)), expected), (kernels.name, rows)
 
 

@@ -11,7 +11,7 @@
 
 typedef int (*linear_fn)(const float *, const uint8_t *, int, float *, int64_t, int64_t, int64_t, int, int);
 typedef void (*interleave_fn)(const uint8_t *, int, int64_t, int64_t, uint8_t *);
-typedef int (*interleaves_fn)(int);
+typedef int (*interleaves_fn)(void);
 enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_X8 = 2 /* FORMAT_Q4_1_X8 - FORMAT_Q4_1 */, LAYERS = 30 };
 static const struct { int format; int64_t n, k; } SHAPES[] = {
     {FORMAT_Q4_1, 960, 576}, {FORMAT_Q4_1, 576, 576}, {FORMAT_Q4_1, 3072, 576}, {FORMAT_Q4_1, 576, 1536},
@@ -53,7 +53,7 @@ int main(int argc, char **argv) {
     interleaves_fn interleaves = (interleaves_fn)dlsym(library, "lockstep_q4_interleaves"); /* absent: plain */
     const int64_t rows = atoll(argv[2]);
     const int exact = atoi(argv[3]), steps = atoi(argv[4]);
-    const int regrouped = interleaves && interleaves(exact);
+    const int regrouped = interleaves && interleaves();
     uint8_t *weights[SHAPE_COUNT];
     int formats[SHAPE_COUNT];
     float *x = malloc(rows * 1536 * sizeof(float)), *out[SHAPE_COUNT];

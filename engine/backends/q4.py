@@ -67,13 +67,12 @@ class Q4Kernels:
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
         self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
-        self.uses_neon_dot = bool(library.lockstep_q4_uses_neon_dot())  # ARM64's sdot tiles, the AVX2 tiles' bits
+        self.uses_neon_dot = bool(library.lockstep_q4_uses_neon_dot())  # ARM64's NEON tiles, the AVX2 tiles' bits
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
-        # the weights read regrouped by 8 rows (Q4_1_X8, Q8_0_X8): so the AVX2 kernels read them on both kinds of
-        # activations (a one-row step 1.5x as fast), ARM64's sdot tiles on 8-bit ones; the portable C reads the
-        # plain blocks
-        self.interleaves = bool(library.lockstep_q4_interleaves(int(exact)))
+        # the weights read regrouped by 8 rows (Q4_1_X8, Q8_0_X8), as the AVX2 kernels and ARM64's NEON tiles read
+        # them (on AVX2 a one-row step 1.5x as fast); the portable C reads the plain blocks
+        self.interleaves = bool(library.lockstep_q4_interleaves())
         # keys and values: float32 beside float32 activations, else float16 (half the bytes a step reads per
         # position; its 11 bits are more than the 8 the activations keep)
         self.kv_dtype = torch.float32 if exact else torch.float16
@@ -84,7 +83,7 @@ class Q4Kernels:
         if self.uses_avx2:
             isa = "AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "") + \
                 ("+AVX-512" if self.uses_avx512 else "")
-        elif self.uses_neon_dot and not self.exact:
+        elif self.uses_neon_dot:
             isa = "NEON+dotprod"
         return f"lockstep's 4-bit kernels ({isa}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
