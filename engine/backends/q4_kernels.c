@@ -1127,7 +1127,6 @@ static inline __attribute__((always_inline)) void block_activations(const struct
     }
 }
 
-#define SDOT_LANE(acc, w, xs, LANE) vdotq_laneq_s32((acc), (w), (xs), (LANE))
 /* Per 16 bytes of weights (4 columns): Q4_1's low nibbles are weights 4i..4i+3, the high ones 16+4i..16+4i+3. */
 #define Q4_1_DOTS(I)                                                                                                \
     do {                                                                                                            \
@@ -1136,70 +1135,65 @@ static inline __attribute__((always_inline)) void block_activations(const struct
             const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, nibble));                                    \
             const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));                                      \
             for (int r = 0; r < ROWS; r++)                                                                          \
-                dots[r][h] = SDOT_LANE(SDOT_LANE(dots[r][h], low, xs[r][0], I), high, xs[r][1], I);                \
+                dots[r][h] = vdotq_laneq_s32(vdotq_laneq_s32(dots[r][h], low, xs[r][0], I), high, xs[r][1], I);    \
         }                                                                                                           \
     } while (0)
-
-static inline __attribute__((always_inline)) void x8_tile(const struct quantized_x *x, int64_t row,
-                                                          const uint8_t *group, float *out, int64_t n, const int ROWS) {
-    const int64_t blocks = x->k / BLOCK;
-    const uint8x16_t nibble = vdupq_n_u8(0x0F);
-    float32x4_t acc[4][2], minimum[4][2];
-    for (int r = 0; r < ROWS; r++)
-        for (int h = 0; h < 2; h++) acc[r][h] = minimum[r][h] = vdupq_n_f32(0);
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *g = group + b * X8_GROUP_BYTES;
-        int8x16_t xs[4][2];
-        int32x4_t dots[4][2];
-        block_activations(x, row, b, xs, ROWS);
-        for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
-        Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
-        for (int h = 0; h < 2; h++) {
-            const float32x4_t d = half_scales(g, h), m = half_scales(g + 16, h);
-            for (int r = 0; r < ROWS; r++) {
-                const float dx = x->scale[(row + r) * blocks + b], sx = x->sum[b * x->m8 + row + r];
-                acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
-                minimum[r][h] = vfmaq_n_f32(minimum[r][h], m, sx);
-            }
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, vaddq_f32(acc[r][h], minimum[r][h]));
-}
 
 /* Q8_0_X8: vector i holds weights 4i..4i+3 of each column (bytes 0-15: columns 0-3). */
 #define Q8_0_DOTS(I)                                                                                                \
     do {                                                                                                            \
         for (int h = 0; h < 2; h++) {                                                                               \
             const int8x16_t w = vld1q_s8((const int8_t *)g + 16 + 32 * (I) + 16 * h);                               \
-            for (int r = 0; r < ROWS; r++) dots[r][h] = SDOT_LANE(dots[r][h], w, xs[r][(I) / 4], (I) % 4);         \
+            for (int r = 0; r < ROWS; r++) dots[r][h] = vdotq_laneq_s32(dots[r][h], w, xs[r][(I) / 4], (I) % 4);   \
         }                                                                                                           \
     } while (0)
 
-static inline __attribute__((always_inline)) void q8_x8_tile(const struct quantized_x *x, int64_t row,
-                                                             const uint8_t *group, float *out, int64_t n,
-                                                             const int ROWS) {
-    const int64_t blocks = x->k / BLOCK;
-    float32x4_t acc[4][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0);
+/* ROWS rows x 8 columns of a Q4_1_X8 or Q8_0_X8 weight on 8-bit activations. */
+static inline __attribute__((always_inline)) void neon_x8_tile(const struct quantized_x *x, int64_t row,
+                                                               const uint8_t *group, float *out, int64_t n,
+                                                               const int FORMAT, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK, bytes = 8 * block_bytes(FORMAT);
+    const uint8x16_t nibble = vdupq_n_u8(0x0F);
+    float32x4_t acc[4][2], minimum[4][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = minimum[r][h] = vdupq_n_f32(0);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *g = group + b * Q8_X8_GROUP_BYTES;
+        const uint8_t *g = group + b * bytes;
         int8x16_t xs[4][2];
         int32x4_t dots[4][2];
         block_activations(x, row, b, xs, ROWS);
         for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
-        Q8_0_DOTS(0); Q8_0_DOTS(1); Q8_0_DOTS(2); Q8_0_DOTS(3);
-        Q8_0_DOTS(4); Q8_0_DOTS(5); Q8_0_DOTS(6); Q8_0_DOTS(7);
+        if (FORMAT == FORMAT_Q4_1_X8) {
+            Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
+        } else {
+            Q8_0_DOTS(0); Q8_0_DOTS(1); Q8_0_DOTS(2); Q8_0_DOTS(3);
+            Q8_0_DOTS(4); Q8_0_DOTS(5); Q8_0_DOTS(6); Q8_0_DOTS(7);
+        }
         for (int h = 0; h < 2; h++) {
             const float32x4_t d = half_scales(g, h);
             for (int r = 0; r < ROWS; r++) {
                 const float dx = x->scale[(row + r) * blocks + b];
                 acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
+                if (FORMAT == FORMAT_Q4_1_X8)
+                    minimum[r][h] = vfmaq_n_f32(minimum[r][h], half_scales(g + 16, h), x->sum[b * x->m8 + row + r]);
             }
         }
     }
     for (int r = 0; r < ROWS; r++)
-        for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, acc[r][h]);
+        for (int h = 0; h < 2; h++)
+            vst1q_f32(out + r * n + 4 * h, FORMAT == FORMAT_Q4_1_X8 ? vaddq_f32(acc[r][h], minimum[r][h]) : acc[r][h]);
+}
+
+/* The AVX2 tiles' names, for x8_columns. */
+static inline __attribute__((always_inline)) void x8_tile(const struct quantized_x *x, int64_t row,
+                                                          const uint8_t *group, float *out, int64_t n, const int ROWS) {
+    neon_x8_tile(x, row, group, out, n, FORMAT_Q4_1_X8, ROWS);
+}
+
+static inline __attribute__((always_inline)) void q8_x8_tile(const struct quantized_x *x, int64_t row,
+                                                             const uint8_t *group, float *out, int64_t n,
+                                                             const int ROWS) {
+    neon_x8_tile(x, row, group, out, n, FORMAT_Q8_0_X8, ROWS);
 }
 
 /* Float32 activations (exact): position p's weights of columns 4h..4h+3, as x8_weights dequantizes them on AVX2
