@@ -9,11 +9,12 @@
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
  * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
  * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks. On AVX2 (and
- * ARM64's NEON tiles) the weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by lockstep_q4_interleave):
- * the same bytes regrouped so that one vector holds 4 weights of 8 columns. On 8-bit activations a block's integer
- * dot products for 8 columns are then vertical maddubs against broadcast activations instead of 8 horizontal sums
- * (a one-row decode step's call 12.7 -> 8.5 ms on a 2-core AVX2 host); on float32 ones (exact) 8 columns' weights
- * are one vector of floats for a float GEMM's broadcast FMAs (a 25-row step's call 191 -> 122 ms there).
+ * ARM64's NEON tiles) the weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by
+ * lockstep_q4_interleave): the same bytes regrouped so that one vector holds 4 weights of 8 columns (NEON: of 4).
+ * On 8-bit activations a block's integer dot products for 8 columns are then vertical maddubs (NEON: sdot) against
+ * broadcast activations instead of 8 horizontal sums (a one-row decode step's call 12.7 -> 8.5 ms on a 2-core AVX2
+ * host); on float32 ones (exact) 8 columns' weights are one vector of floats for a float GEMM's broadcast FMAs (a
+ * 25-row step's call 191 -> 122 ms there).
  *
  * Every row of x is computed the same way whatever else the call holds: each output is one chain of FMAs over K in
  * the same order, then one fixed reduction, whatever M is, whichever tile or thread computes it. So a row's result
