@@ -69,7 +69,7 @@
 
 /* ARM64 with ARMv8.2's 8-bit dot products (sdot: Neoverse N1 and later, Cortex-A76 and later, Apple M1): the
  * interleaved blocks on NEON tiles, lane by lane the AVX2 tiles' operations on both kinds of activations. */
-#if !LOCKSTEP_AVX2 && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#if !LOCKSTEP_AVX2 && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD) && !defined(__ARM_BIG_ENDIAN)
 #define LOCKSTEP_NEON_DOT 1
 #include <arm_neon.h>
 #else
@@ -1206,9 +1206,20 @@ static inline __attribute__((always_inline)) float32x4_t position_weights(const 
         const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(block + 32 + 32 * (position % 16 / 4) + 16 * h));
         return vfmaq_f32(m, d, vcvtq_f32_u32((packed >> (8 * (position % 4) + 4 * (position / 16))) & 0x0F));
     }
-    const int32x4_t packed = vreinterpretq_s32_u8(vld1q_u8(block + 16 + 32 * (position / 4) + 16 * h));
-    return vmulq_f32(d, vcvtq_f32_s32((packed << (24 - 8 * (position % 4))) >> 24));
+    const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(block + 16 + 32 * (position / 4) + 16 * h));
+    /* the byte to the top unsigned, then down with its sign */
+    return vmulq_f32(d, vcvtq_f32_s32(vreinterpretq_s32_u32(packed << (24 - 8 * (position % 4))) >> 24));
 }
+
+/* Position 4 * quad + LANE: each row's activation in lane LANE of xs[r] (a lane index must be a constant, whatever
+ * the compiler unrolls: Clang's and an unoptimized build's too). */
+#define BLOCK_LANE(LANE)                                                                                            \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            const float32x4_t w = position_weights(g, 4 * quad + (LANE), h, d[h], m[h], FORMAT);                    \
+            for (int r = 0; r < ROWS; r++) acc[r][h] = vfmaq_laneq_f32(acc[r][h], w, xs[r], LANE);                 \
+        }                                                                                                           \
+    } while (0)
 
 /* ROWS rows x 8 columns on float32 activations, straight from the blocks: each output one chain of FMAs over K
  * in order, as the AVX2 tiles and panels compute it (the float32 dequantized matmul, summed in order): their
@@ -1226,16 +1237,11 @@ static inline __attribute__((always_inline)) void x8_exact_tile(const struct qua
             d[h] = half_scales(g, h);
             m[h] = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
         }
-        UNROLLED /* constant shifts and lanes */
+        UNROLLED /* constant shifts */
         for (int quad = 0; quad < BLOCK / 4; quad++) { /* positions 4 * quad .. 4 * quad + 3 */
             float32x4_t xs[4];
             for (int r = 0; r < ROWS; r++) xs[r] = vld1q_f32(x->xf + (row + r) * x->k + b * BLOCK + 4 * quad);
-            UNROLLED
-            for (int lane = 0; lane < 4; lane++)
-                for (int h = 0; h < 2; h++) {
-                    const float32x4_t w = position_weights(g, 4 * quad + lane, h, d[h], m[h], FORMAT);
-                    for (int r = 0; r < ROWS; r++) acc[r][h] = vfmaq_laneq_f32(acc[r][h], w, xs[r], lane);
-                }
+            BLOCK_LANE(0); BLOCK_LANE(1); BLOCK_LANE(2); BLOCK_LANE(3);
         }
     }
     for (int r = 0; r < ROWS; r++)
@@ -1268,6 +1274,17 @@ static inline __attribute__((always_inline)) void dequantize_group(const uint8_t
     }
 }
 
+/* Position 4 * quad + LANE of the panel, as BLOCK_LANE. */
+#define PANEL_LANE(LANE)                                                                                            \
+    do {                                                                                                            \
+        const float *position = ws + (4 * quad + (LANE)) * 8;                                                       \
+        const float32x4_t w0 = vld1q_f32(position), w1 = vld1q_f32(position + 4);                                   \
+        for (int r = 0; r < ROWS; r++) {                                                                            \
+            acc[r][0] = vfmaq_laneq_f32(acc[r][0], w0, xs[r], LANE);                                                \
+            acc[r][1] = vfmaq_laneq_f32(acc[r][1], w1, xs[r], LANE);                                                \
+        }                                                                                                           \
+    } while (0)
+
 static inline __attribute__((always_inline)) void panel_tile(const struct quantized_x *x, int64_t row,
                                                              const float *panel, int64_t from, int64_t to,
                                                              float *out, int64_t n, const int ROWS) {
@@ -1279,15 +1296,7 @@ static inline __attribute__((always_inline)) void panel_tile(const struct quanti
         for (int quad = 0; quad < BLOCK / 4; quad++) {
             float32x4_t xs[NEON_PANEL_TILE];
             for (int r = 0; r < ROWS; r++) xs[r] = vld1q_f32(x->xf + (row + r) * x->k + b * BLOCK + 4 * quad);
-            UNROLLED
-            for (int lane = 0; lane < 4; lane++) {
-                const float *position = ws + (4 * quad + lane) * 8;
-                const float32x4_t w0 = vld1q_f32(position), w1 = vld1q_f32(position + 4);
-                for (int r = 0; r < ROWS; r++) {
-                    acc[r][0] = vfmaq_laneq_f32(acc[r][0], w0, xs[r], lane);
-                    acc[r][1] = vfmaq_laneq_f32(acc[r][1], w1, xs[r], lane);
-                }
-            }
+            PANEL_LANE(0); PANEL_LANE(1); PANEL_LANE(2); PANEL_LANE(3);
         }
     }
     for (int r = 0; r < ROWS; r++)
