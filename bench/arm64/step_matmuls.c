@@ -24,9 +24,11 @@ static uint64_t next_random(void) {
     return random_state;
 }
 
+static int64_t block_bytes(int format) { return format == FORMAT_Q4_1 ? 20 : 34; }
+
 /* Random blocks with float16 scales of about 0.02 and minimums of about -0.02, as the model's. */
 static uint8_t *random_blocks(int format, int64_t n, int64_t k) {
-    const int64_t bytes = format == FORMAT_Q4_1 ? 20 : 34, count = n * (k / 32);
+    const int64_t bytes = block_bytes(format), count = n * (k / 32);
     uint8_t *blocks = malloc(count * bytes);
     for (int64_t i = 0; i < count * bytes; i++) blocks[i] = (uint8_t)next_random();
     for (int64_t b = 0; b < count; b++) {
@@ -61,7 +63,7 @@ int main(int argc, char **argv) {
         weights[s] = random_blocks(SHAPES[s].format, SHAPES[s].n, SHAPES[s].k);
         formats[s] = SHAPES[s].format;
         if (regrouped) {
-            const int64_t bytes = SHAPES[s].n * (SHAPES[s].k / 32) * (SHAPES[s].format == FORMAT_Q4_1 ? 20 : 34);
+            const int64_t bytes = SHAPES[s].n * (SHAPES[s].k / 32) * block_bytes(SHAPES[s].format);
             uint8_t *grouped = malloc(bytes);
             interleave(weights[s], SHAPES[s].format, SHAPES[s].n, SHAPES[s].k, grouped);
             free(weights[s]);

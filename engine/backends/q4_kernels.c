@@ -1108,6 +1108,30 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
 }
 #endif
 
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+#define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
+    do {                                                                                                            \
+        if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
+        else if ((ROWS_LEFT) == 2) FN(__VA_ARGS__, 2);                                                              \
+        else if ((ROWS_LEFT) == 3) FN(__VA_ARGS__, 3);                                                              \
+        else FN(__VA_ARGS__, 4);                                                                                    \
+    } while (0)
+
+#define X8_TILE8(FN, ROWS_LEFT, ...)                                                                                \
+    do {                                                                                                            \
+        switch (ROWS_LEFT) {                                                                                        \
+        case 1: FN(__VA_ARGS__, 1); break;                                                                          \
+        case 2: FN(__VA_ARGS__, 2); break;                                                                          \
+        case 3: FN(__VA_ARGS__, 3); break;                                                                          \
+        case 4: FN(__VA_ARGS__, 4); break;                                                                          \
+        case 5: FN(__VA_ARGS__, 5); break;                                                                          \
+        case 6: FN(__VA_ARGS__, 6); break;                                                                          \
+        case 7: FN(__VA_ARGS__, 7); break;                                                                          \
+        default: FN(__VA_ARGS__, 8);                                                                                \
+        }                                                                                                           \
+    } while (0)
+#endif
+
 #if LOCKSTEP_NEON_DOT
 /* The NEON tiles: 8 columns in two int32x4 / float32x4 halves, column j in lane j % 4 of half j / 4. The interleaved
  * layout puts 4 weights of 4 columns in 16 bytes, so each lane's sdot multiplies its column's 4 weights by 4
@@ -1172,11 +1196,12 @@ static inline __attribute__((always_inline)) void neon_x8_tile(const struct quan
         }
         for (int h = 0; h < 2; h++) {
             const float32x4_t d = half_scales(g, h);
+            const float32x4_t m = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
             for (int r = 0; r < ROWS; r++) {
                 const float dx = x->scale[(row + r) * blocks + b];
                 acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
-                if (FORMAT == FORMAT_Q4_1_X8)
-                    minimum[r][h] = vfmaq_n_f32(minimum[r][h], half_scales(g + 16, h), x->sum[b * x->m8 + row + r]);
+                const float sx = x->sum[b * x->m8 + row + r];
+                if (FORMAT == FORMAT_Q4_1_X8) minimum[r][h] = vfmaq_n_f32(minimum[r][h], m, sx);
             }
         }
     }
@@ -1302,58 +1327,42 @@ static inline __attribute__((always_inline)) void panel_tile(const struct quanti
     for (int r = 0; r < ROWS; r++)
         for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, acc[r][h]);
 }
+
+/* Columns [first, last) on float32 activations, as AVX2's x8_exact_columns: fewer than NEON_PANEL_ROWS rows
+ * straight from the blocks, more from a panel a slice of K at a time. */
+static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
+                             float *out, int64_t n, int64_t first, int64_t last) {
+    const int64_t blocks = x->k / BLOCK;
+    float panel[NEON_SLICE_BLOCKS * BLOCK * 8] __attribute__((aligned(64)));
+    for (int64_t c = first; c < last; c += 8) {
+        const uint8_t *group = weight + c / 8 * group_bytes;
+        if (x->m < NEON_PANEL_ROWS) {
+            if (format == FORMAT_Q4_1_X8) X8_TILE(x8_exact_tile, x->m, x, 0, group, out + c, n, FORMAT_Q4_1_X8);
+            else X8_TILE(x8_exact_tile, x->m, x, 0, group, out + c, n, FORMAT_Q8_0_X8);
+            continue;
+        }
+        for (int64_t from = 0; from < blocks; from += NEON_SLICE_BLOCKS) {
+            const int64_t to = from + NEON_SLICE_BLOCKS < blocks ? from + NEON_SLICE_BLOCKS : blocks;
+            if (format == FORMAT_Q4_1_X8) dequantize_group(group, from, to, panel, FORMAT_Q4_1_X8);
+            else dequantize_group(group, from, to, panel, FORMAT_Q8_0_X8);
+            for (int64_t r = 0; r < x->m; r += NEON_PANEL_TILE)
+                X8_TILE8(panel_tile, x->m - r, x, r, panel, from, to, out + r * n + c, n);
+        }
+    }
+}
 #endif
 
 #if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
-#define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
-    do {                                                                                                            \
-        if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
-        else if ((ROWS_LEFT) == 2) FN(__VA_ARGS__, 2);                                                              \
-        else if ((ROWS_LEFT) == 3) FN(__VA_ARGS__, 3);                                                              \
-        else FN(__VA_ARGS__, 4);                                                                                    \
-    } while (0)
-
-#define X8_TILE8(FN, ROWS_LEFT, ...)                                                                                \
-    do {                                                                                                            \
-        switch (ROWS_LEFT) {                                                                                        \
-        case 1: FN(__VA_ARGS__, 1); break;                                                                          \
-        case 2: FN(__VA_ARGS__, 2); break;                                                                          \
-        case 3: FN(__VA_ARGS__, 3); break;                                                                          \
-        case 4: FN(__VA_ARGS__, 4); break;                                                                          \
-        case 5: FN(__VA_ARGS__, 5); break;                                                                          \
-        case 6: FN(__VA_ARGS__, 6); break;                                                                          \
-        case 7: FN(__VA_ARGS__, 7); break;                                                                          \
-        default: FN(__VA_ARGS__, 8);                                                                                \
-        }                                                                                                           \
-    } while (0)
-
 /* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
  * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
  * groups stay in L2. */
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
     const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
-#if LOCKSTEP_AVX2
     if (x->exact) {
         x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
         return;
     }
-#elif LOCKSTEP_NEON_DOT
-    if (x->exact && x->m >= NEON_PANEL_ROWS) {
-        float panel[NEON_SLICE_BLOCKS * BLOCK * 8] __attribute__((aligned(64)));
-        const int64_t blocks = x->k / BLOCK;
-        for (int64_t c = first; c < last; c += 8)
-            for (int64_t from = 0; from < blocks; from += NEON_SLICE_BLOCKS) {
-                const int64_t to = from + NEON_SLICE_BLOCKS < blocks ? from + NEON_SLICE_BLOCKS : blocks;
-                const uint8_t *group = weight + c / 8 * group_bytes;
-                if (format == FORMAT_Q4_1_X8) dequantize_group(group, from, to, panel, FORMAT_Q4_1_X8);
-                else dequantize_group(group, from, to, panel, FORMAT_Q8_0_X8);
-                for (int64_t r = 0; r < x->m; r += NEON_PANEL_TILE)
-                    X8_TILE8(panel_tile, x->m - r, x, r, panel, from, to, out + r * n + c, n);
-            }
-        return;
-    }
-#endif
 #if LOCKSTEP_AVX512
     if (format == FORMAT_Q4_1_X8 && x->m >= X8_WIDE_ROWS) {
         for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
@@ -1376,12 +1385,6 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
                 c += 8;
                 continue;
             }
-#endif
-#if LOCKSTEP_NEON_DOT
-            if (x->exact && format == FORMAT_Q4_1_X8)
-                X8_TILE(x8_exact_tile, rows, x, r, group, out + r * n + c, n, FORMAT_Q4_1_X8);
-            else if (x->exact) X8_TILE(x8_exact_tile, rows, x, r, group, out + r * n + c, n, FORMAT_Q8_0_X8);
-            else
 #endif
             if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n);
             else X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
