@@ -61,18 +61,20 @@ def test_this_host_computes_on_what_it_has(smol_model_dir):
     info = backend.info
     assert (info.weights, info.dtype) == ("q4_1", "float32")
     has_avx2 = {"avx2", "fma", "f16c"} <= host.flags
-    has_vnni, has_neon_dot = has_vnni_kernels(host.flags), has_neon_dot_kernels(host.flags)
+    has_vnni, has_neon = has_vnni_kernels(host.flags), has_neon_kernels(host.flags)
     assert backend.fast_decoder.q4.uses_avx2 == has_avx2
     assert backend.fast_decoder.q4.uses_vnni == has_vnni
     assert backend.fast_decoder.q4.uses_avx512 == has_avx512_kernels(host.flags)
-    assert backend.fast_decoder.q4.uses_neon_dot == has_neon_dot
-    assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else "NEON+dotprod" if has_neon_dot
+    assert backend.fast_decoder.q4.uses_neon == has_neon
+    assert backend.fast_decoder.q4.uses_neon_dot == (has_neon and "asimddp" in host.flags)
+    neon = "NEON+dotprod" if "asimddp" in host.flags else "NEON"
+    assert ("AVX2+FMA+VNNI" if has_vnni else "AVX2+FMA" if has_avx2 else neon if has_neon
             else "portable C") in info.compute
     assert host.isa in info.compute_reason and "weights=q4" in info.compute_reason
     assert not backend.fast_decoder.q4.exact and "8-bit activations" in info.compute
-    # AVX2 and ARM64's sdot read the blocks regrouped by 8 rows (vertical dot products); the portable C reads
+    # AVX2 and ARM64's NEON read the blocks regrouped by 8 rows (vertical dot products); the portable C reads
     # them as they are
-    interleaved = has_avx2 or has_neon_dot
+    interleaved = has_avx2 or has_neon
     stack = backend.fast_decoder.q4_stack
     assert (stack.layer_format, stack.lm_head_format) == ((FORMAT_Q4_1_X8, FORMAT_Q8_0_X8) if interleaved
                                                           else (FORMAT_Q4_1, FORMAT_Q8_0))
@@ -236,16 +238,19 @@ def test_quality_against_the_float32_dequantized_gguf(kernels, gguf_model):
     assert abs(perplexity(got) / perplexity(reference) - 1) < (0.001 if kernels.exact else 0.02)
 
 
+PORTABLE_MASK = "avx2,fma,f16c,avx512f,asimd"  # what hosts that run the portable C lack, x86 and ARM64
+
+
 def has_vnni_kernels(flags) -> bool:
     """Whether q4_kernels.c builds its VNNI dot products for a CPU with these flags (its LOCKSTEP_VNNI)."""
     return {"avx2", "fma", "f16c"} <= flags and ({"avx512_vnni", "avx512vl", "avx512f"} <= flags
                                                   or "avx_vnni" in flags)
 
 
-def has_neon_dot_kernels(flags) -> bool:
-    """Whether q4_kernels.c builds its NEON tiles with 8-bit dot products for a CPU with these flags (ARM64's
-    asimddp: its LOCKSTEP_NEON_DOT)."""
-    return platform.machine() in ("aarch64", "arm64") and "asimddp" in flags
+def has_neon_kernels(flags) -> bool:
+    """Whether q4_kernels.c builds its NEON tiles for a CPU with these flags (ARM64's asimd: its LOCKSTEP_NEON; with
+    asimddp too their 8-bit dot products are sdot, LOCKSTEP_NEON_DOT)."""
+    return platform.machine() in ("aarch64", "arm64") and "asimd" in flags
 
 
 def has_avx512_kernels(flags) -> bool:
@@ -265,11 +270,10 @@ def kernels_with_flags_hidden(monkeypatch, folder, hidden: str, exact: bool = Fa
 @pytest.mark.parametrize("activations", ACTIVATIONS)
 def test_the_portable_c_under_the_capability_mask(monkeypatch, tmp_path, gguf_model, activations):
     """What a host without AVX2 runs, built and checked here by hiding the instructions from the compiler."""
-    portable, masked_flags = kernels_with_flags_hidden(monkeypatch, tmp_path, "avx2,fma,f16c,avx512f,asimddp",
-                                                       ACTIVATIONS[activations])
-    assert portable is not None and not portable.uses_avx2 and not portable.uses_neon_dot
+    portable, masked_flags = kernels_with_flags_hidden(monkeypatch, tmp_path, PORTABLE_MASK, ACTIVATIONS[activations])
+    assert portable is not None and not portable.uses_avx2 and not portable.uses_neon
     assert "portable C" in portable.name and not portable.interleaves
-    assert not {"avx2", "fma", "asimddp"} & masked_flags
+    assert not {"avx2", "fma", "asimd"} & masked_flags
     _, weights = gguf_model
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     for weight in (weights.layers[0].qkv, weights.lm_head):
@@ -350,17 +354,22 @@ def test_every_build_computes_the_documented_arithmetic_bit_for_bit(monkeypatch,
                                                                      activations):
     """This host's matmul (AVX2, AVX-512, VNNI or ARM64's NEON tiles, which fuse each multiply-add) gives exactly
     the float32 operations its comments document, at each tile's row counts and both block formats: so every
-    interleaving build gives the same bits as any other, x86's and ARM64's alike. On 8-bit activations the
-    portable C (which rounds each multiply and add apart) does too."""
+    interleaving build gives the same bits as any other, x86's and ARM64's alike. So does, on an ARM64 core with
+    sdot, the NEON build a core without it runs (its 16-bit multiply-adds), and on 8-bit activations the portable
+    C (which rounds each multiply and add apart)."""
     exact = ACTIVATIONS[activations]
     native = load_q4_kernels(str(tmp_path / "native"), helpers=1, exact=exact)
-    portable, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "portable", "avx2,fma,f16c,avx512f,asimddp",
-                                            exact)
+    portable, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "portable", PORTABLE_MASK, exact)
     assert not portable.interleaves
-    builds = [kernels for kernels in (native, portable) if kernels.interleaves or not exact]
+    others = [portable]
+    if native.uses_neon_dot:
+        without_sdot, _ = kernels_with_flags_hidden(monkeypatch, tmp_path / "no-asimddp", "asimddp", exact)
+        assert without_sdot.uses_neon and not without_sdot.uses_neon_dot and "(NEON," in without_sdot.name
+        others.append(without_sdot)
+    builds = [kernels for kernels in (native, *others) if kernels.interleaves or not exact]
     if not builds:  # the portable C's float32 sums are in lanes: checked against their bound elsewhere
-        pytest.skip("this CPU has neither AVX2+FMA+F16C nor ARM64's dot products (asimddp), so no build here "
-                    "computes the float32 activations' one chain of FMAs")
+        pytest.skip("this CPU has neither AVX2+FMA+F16C nor ARM64's NEON (asimd), so no build here computes the "
+                    "float32 activations' one chain of FMAs")
     _, weights = gguf_model
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3

@@ -25,10 +25,13 @@ from .c_build import built_library, find_compiler
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("q4_kernels.c")
-# x86 instruction sets the capability mask (hardware.CAPABILITY_MASK_ENV) can take away from -march=native, so a
-# host with them builds and tests the code a lesser host runs (no AVX2: the portable C).
+# Instruction sets the capability mask (hardware.CAPABILITY_MASK_ENV) can take away from -march/-mcpu=native, so a
+# host with them builds and tests the code a lesser host runs (x86 without AVX2: the portable C; on ARM64 the
+# macros q4_kernels.c chooses its tiles by: without asimddp its NEON tiles multiply-add in 16 bits, without asimd
+# the portable C runs).
 MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "avx512f": "-mno-avx512f",
                 "avx512bw": "-mno-avx512bw", "avx512_vnni": "-mno-avx512vnni", "avx_vnni": "-mno-avxvnni"}
+MASKABLE_ARM64 = {"asimddp": "-U__ARM_FEATURE_DOTPROD", "asimd": "-U__ARM_NEON"}
 LINK_FLAGS = ("-lm", "-pthread")
 BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
@@ -67,7 +70,8 @@ class Q4Kernels:
         self.uses_avx2 = bool(library.lockstep_q4_uses_avx2())
         self.uses_vnni = bool(library.lockstep_q4_uses_vnni())  # the 8-bit dot products in one instruction
         self.uses_avx512 = bool(library.lockstep_q4_uses_avx512())  # 16 columns a vector, the AVX2 tiles' bits
-        self.uses_neon_dot = bool(library.lockstep_q4_uses_neon_dot())  # ARM64's NEON tiles, the AVX2 tiles' bits
+        self.uses_neon = bool(library.lockstep_q4_uses_neon())  # ARM64's NEON tiles, the AVX2 tiles' bits
+        self.uses_neon_dot = bool(library.lockstep_q4_uses_neon_dot())  # their 8-bit dot products by sdot
         self.helpers = helpers  # threads beside the caller that share a call's work
         self.exact = exact
         # the weights read regrouped by 8 rows (Q4_1_X8, Q8_0_X8), as the AVX2 kernels and ARM64's NEON tiles read
@@ -83,8 +87,8 @@ class Q4Kernels:
         if self.uses_avx2:
             isa = "AVX2+FMA" + ("+VNNI" if self.uses_vnni and not self.exact else "") + \
                 ("+AVX-512" if self.uses_avx512 else "")
-        elif self.uses_neon_dot:
-            isa = "NEON+dotprod"
+        elif self.uses_neon:
+            isa = "NEON+dotprod" if self.uses_neon_dot else "NEON"
         return f"lockstep's 4-bit kernels ({isa}, " \
                f"{'float32' if self.exact else '8-bit'} activations, {self.helpers + 1} threads" \
                f"{', blocks interleaved by 8 rows' if self.interleaves else ''})"
@@ -483,9 +487,8 @@ def compile_flags() -> tuple[str, ...]:
     """-O3 for this CPU, less what the capability mask hides; -ffp-contract=off: no FMA where the source says
     multiply, then add (the weights dequantize as gguf-py's)."""
     if platform.machine() in ("aarch64", "arm64"):
-        # the mask's asimddp hides the dot products from q4_kernels.c's choice of tiles (its portable C then runs,
-        # as on a core without them); the compiler may still use them in its vectorized loops
-        hidden = () if "asimddp" in cpu_flags() else ("-U__ARM_FEATURE_DOTPROD",)
+        # the compiler may still use what the mask hides in its vectorized loops
+        hidden = tuple(flag for name, flag in MASKABLE_ARM64.items() if name not in cpu_flags())
         return "-O3", "-mcpu=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"
     hidden = tuple(flag for name, flag in MASKABLE_X86.items() if name not in cpu_flags())
     return "-O3", "-march=native", *hidden, "-ffp-contract=off", "-shared", "-fPIC"

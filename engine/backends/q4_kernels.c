@@ -67,13 +67,23 @@
 #define LOCKSTEP_AVX512 0
 #endif
 
-/* ARM64 with ARMv8.2's 8-bit dot products (sdot: Neoverse N1 and later, Cortex-A76 and later, Apple M1): the
- * interleaved blocks on NEON tiles, lane by lane the AVX2 tiles' operations on both kinds of activations. */
-#if !LOCKSTEP_AVX2 && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD) && !defined(__ARM_BIG_ENDIAN)
+/* ARM64 (little-endian): the interleaved blocks on NEON tiles, lane by lane the AVX2 tiles' operations on both kinds
+ * of activations. Their 8-bit dot products are ARMv8.2's sdot where the core has it (Neoverse N1 and later,
+ * Cortex-A76 and later, Apple M1: LOCKSTEP_NEON_DOT), else 16-bit multiply-adds that sum the same whole integers
+ * (ARMv8.0: Cortex-A72 as in the Raspberry Pi 4 and AWS Graviton 1). */
+#if !LOCKSTEP_AVX2 && defined(__aarch64__) && defined(__ARM_NEON) && !defined(__ARM_BIG_ENDIAN)
+#define LOCKSTEP_NEON 1
+#else
+#define LOCKSTEP_NEON 0
+#endif
+/* read before arm_neon.h: its pragmas define the target's macros again, whatever -U took away */
+#if LOCKSTEP_NEON && defined(__ARM_FEATURE_DOTPROD)
 #define LOCKSTEP_NEON_DOT 1
-#include <arm_neon.h>
 #else
 #define LOCKSTEP_NEON_DOT 0
+#endif
+#if LOCKSTEP_NEON
+#include <arm_neon.h>
 #endif
 
 #define BLOCK 32
@@ -90,9 +100,10 @@ enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3 
 int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
 int lockstep_q4_uses_vnni(void) { return LOCKSTEP_VNNI; }
 int lockstep_q4_uses_avx512(void) { return LOCKSTEP_AVX512; }
+int lockstep_q4_uses_neon(void) { return LOCKSTEP_NEON; }
 int lockstep_q4_uses_neon_dot(void) { return LOCKSTEP_NEON_DOT; }
 /* Whether this build's matmuls read the interleaved blocks (Q4_1_X8, Q8_0_X8). */
-int lockstep_q4_interleaves(void) { return LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT; }
+int lockstep_q4_interleaves(void) { return LOCKSTEP_AVX2 || LOCKSTEP_NEON; }
 
 static inline float half_to_float(uint16_t h) {
 #if LOCKSTEP_AVX2
@@ -1108,7 +1119,7 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
 }
 #endif
 
-#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON
 #define X8_TILE(FN, ROWS_LEFT, ...)                                                                                 \
     do {                                                                                                            \
         if ((ROWS_LEFT) == 1) FN(__VA_ARGS__, 1);                                                                   \
@@ -1132,7 +1143,7 @@ static void columns_for_rows(const struct quantized_x *x, int64_t row, int64_t r
     } while (0)
 #endif
 
-#if LOCKSTEP_NEON_DOT
+#if LOCKSTEP_NEON
 /* The NEON tiles: 8 columns in two int32x4 / float32x4 halves, column j in lane j % 4 of half j / 4. The interleaved
  * layout puts 4 weights of 4 columns in 16 bytes, so each lane's sdot multiplies its column's 4 weights by 4
  * activations taken from a lane of the row's block (sdot by element: no broadcast). Per block the integer dot
@@ -1152,33 +1163,112 @@ static inline __attribute__((always_inline)) void block_activations(const struct
     }
 }
 
-/* Per 16 bytes of weights (4 columns): Q4_1's low nibbles are weights 4i..4i+3, the high ones 16+4i..16+4i+3. */
+/* Per 16 bytes of Q4_1_X8 (4 columns): the low nibbles are weights 4i..4i+3, the high ones 16+4i..16+4i+3. */
+#define Q4_1_WEIGHTS(I, H)                                                                                          \
+    const uint8x16_t packed = vld1q_u8(g + 32 + 32 * (I) + 16 * (H));                                              \
+    const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0F)));                                  \
+    const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4))
+/* Q8_0_X8: vector i holds weights 4i..4i+3 of each column (bytes 0-15: columns 0-3). */
+#define Q8_0_WEIGHTS(I, H) const int8x16_t w = vld1q_s8((const int8_t *)g + 16 + 32 * (I) + 16 * (H))
+
+#if LOCKSTEP_NEON_DOT
 #define Q4_1_DOTS(I)                                                                                                \
     do {                                                                                                            \
         for (int h = 0; h < 2; h++) {                                                                               \
-            const uint8x16_t packed = vld1q_u8(g + 32 + 32 * (I) + 16 * h);                                        \
-            const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, nibble));                                    \
-            const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));                                      \
+            Q4_1_WEIGHTS(I, h);                                                                                     \
             for (int r = 0; r < ROWS; r++)                                                                          \
                 dots[r][h] = vdotq_laneq_s32(vdotq_laneq_s32(dots[r][h], low, xs[r][0], I), high, xs[r][1], I);    \
         }                                                                                                           \
     } while (0)
 
-/* Q8_0_X8: vector i holds weights 4i..4i+3 of each column (bytes 0-15: columns 0-3). */
 #define Q8_0_DOTS(I)                                                                                                \
     do {                                                                                                            \
         for (int h = 0; h < 2; h++) {                                                                               \
-            const int8x16_t w = vld1q_s8((const int8_t *)g + 16 + 32 * (I) + 16 * h);                               \
+            Q8_0_WEIGHTS(I, h);                                                                                     \
             for (int r = 0; r < ROWS; r++) dots[r][h] = vdotq_laneq_s32(dots[r][h], w, xs[r][(I) / 4], (I) % 4);   \
         }                                                                                                           \
     } while (0)
+
+/* One block's integer dot products of ROWS rows and 8 columns: dots[r][h] lane j is column 4h + j's. */
+static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, int8x16_t xs[4][2],
+                                                             int32x4_t dots[4][2], const int FORMAT, const int ROWS) {
+    for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
+    if (FORMAT == FORMAT_Q4_1_X8) {
+        Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
+    } else {
+        Q8_0_DOTS(0); Q8_0_DOTS(1); Q8_0_DOTS(2); Q8_0_DOTS(3);
+        Q8_0_DOTS(4); Q8_0_DOTS(5); Q8_0_DOTS(6); Q8_0_DOTS(7);
+    }
+}
+#else
+/* Without sdot (ARMv8.0), the same whole integers by 16-bit multiply-adds: a half's 4 columns in two int16x8 sums,
+ * sums[0] lanes 0-3 column 0's 4 products and 4-7 column 1's, sums[1] columns 2 and 3's; then pairwise into int32
+ * and once more across the two, lane j column j's dot product. A 16-bit lane holds at most 8 Q4_1 products
+ * (8 x 15 x 128 = 15,360) or 2 Q8_0 ones (2 x 128 x 127 = 32,512: quantize_block's |q| <= 127). Per block and row
+ * 36 instructions where sdot takes 16; the portable C took 3x these matmuls' instructions on a Cortex-A72. */
+#define LANE_BYTES(XS, LANE) vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(XS), LANE))
+#define MULTIPLY_ADD(SUMS, W, XS)                                                                                   \
+    do {                                                                                                            \
+        (SUMS)[0] = vmlal_s8((SUMS)[0], vget_low_s8(W), vget_low_s8(XS));                                           \
+        (SUMS)[1] = vmlal_high_s8((SUMS)[1], W, XS);                                                                \
+    } while (0)
+
+#define Q4_1_DOTS(I)                                                                                                \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            Q4_1_WEIGHTS(I, h);                                                                                     \
+            for (int r = 0; r < ROWS; r++) {                                                                        \
+                MULTIPLY_ADD(sums[r][h], low, LANE_BYTES(xs[r][0], I));                                             \
+                MULTIPLY_ADD(sums[r][h], high, LANE_BYTES(xs[r][1], I));                                            \
+            }                                                                                                       \
+        }                                                                                                           \
+    } while (0)
+
+#define Q8_0_DOTS(I)                                                                                                \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            Q8_0_WEIGHTS(I, h);                                                                                     \
+            for (int r = 0; r < ROWS; r++) MULTIPLY_ADD(sums[r][h], w, LANE_BYTES(xs[r][(I) / 4], (I) % 4));       \
+        }                                                                                                           \
+    } while (0)
+
+/* The 16-bit sums pairwise into the 32-bit ones, and the 16-bit ones from zero again. */
+#define WIDEN()                                                                                                     \
+    do {                                                                                                            \
+        for (int r = 0; r < ROWS; r++)                                                                              \
+            for (int h = 0; h < 2; h++)                                                                             \
+                for (int k = 0; k < 2; k++) {                                                                       \
+                    pairs[r][h][k] = vpadalq_s16(pairs[r][h][k], sums[r][h][k]);                                    \
+                    sums[r][h][k] = vdupq_n_s16(0);                                                                 \
+                }                                                                                                   \
+    } while (0)
+
+static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, int8x16_t xs[4][2],
+                                                             int32x4_t dots[4][2], const int FORMAT, const int ROWS) {
+    int16x8_t sums[4][2][2];
+    int32x4_t pairs[4][2][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 2; k++) sums[r][h][k] = vdupq_n_s16(0), pairs[r][h][k] = vdupq_n_s32(0);
+    if (FORMAT == FORMAT_Q4_1_X8) {
+        Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
+        WIDEN();
+    } else {
+        Q8_0_DOTS(0); Q8_0_DOTS(1); WIDEN();
+        Q8_0_DOTS(2); Q8_0_DOTS(3); WIDEN();
+        Q8_0_DOTS(4); Q8_0_DOTS(5); WIDEN();
+        Q8_0_DOTS(6); Q8_0_DOTS(7); WIDEN();
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) dots[r][h] = vpaddq_s32(pairs[r][h][0], pairs[r][h][1]);
+}
+#endif
 
 /* ROWS rows x 8 columns of a Q4_1_X8 or Q8_0_X8 weight on 8-bit activations. */
 static inline __attribute__((always_inline)) void neon_x8_tile(const struct quantized_x *x, int64_t row,
                                                                const uint8_t *group, float *out, int64_t n,
                                                                const int FORMAT, const int ROWS) {
     const int64_t blocks = x->k / BLOCK, bytes = 8 * block_bytes(FORMAT);
-    const uint8x16_t nibble = vdupq_n_u8(0x0F);
     float32x4_t acc[4][2], minimum[4][2];
     for (int r = 0; r < ROWS; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = minimum[r][h] = vdupq_n_f32(0);
@@ -1187,13 +1277,7 @@ static inline __attribute__((always_inline)) void neon_x8_tile(const struct quan
         int8x16_t xs[4][2];
         int32x4_t dots[4][2];
         block_activations(x, row, b, xs, ROWS);
-        for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
-        if (FORMAT == FORMAT_Q4_1_X8) {
-            Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
-        } else {
-            Q8_0_DOTS(0); Q8_0_DOTS(1); Q8_0_DOTS(2); Q8_0_DOTS(3);
-            Q8_0_DOTS(4); Q8_0_DOTS(5); Q8_0_DOTS(6); Q8_0_DOTS(7);
-        }
+        block_dots(g, xs, dots, FORMAT, ROWS);
         for (int h = 0; h < 2; h++) {
             const float32x4_t d = half_scales(g, h);
             const float32x4_t m = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
@@ -1352,7 +1436,12 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
 }
 #endif
 
-#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON
+#if LOCKSTEP_NEON && !LOCKSTEP_NEON_DOT
+#define X8_TILE_ROWS 2 /* 8 rows as Cortex-A72 code: 2-row tiles 412 M instructions, 3-row 439, 4-row 507 (spills) */
+#else
+#define X8_TILE_ROWS 4 /* rows of an 8-bit 8-column tile */
+#endif
 /* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
  * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
  * groups stay in L2. */
@@ -1375,8 +1464,8 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
         return;
     }
 #endif
-    for (int64_t r = 0; r < x->m; r += 4) {
-        int64_t rows = x->m - r < 4 ? x->m - r : 4;
+    for (int64_t r = 0; r < x->m; r += X8_TILE_ROWS) {
+        int64_t rows = x->m - r < X8_TILE_ROWS ? x->m - r : X8_TILE_ROWS;
         for (int64_t c = first; c < last; c += 8) {
             const uint8_t *group = weight + c / 8 * group_bytes;
 #if LOCKSTEP_AVX512
@@ -1397,7 +1486,7 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
  * rows at a time. */
 static void linear_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                            int64_t first, int64_t last) {
-#if LOCKSTEP_AVX2 || LOCKSTEP_NEON_DOT
+#if LOCKSTEP_AVX2 || LOCKSTEP_NEON
     if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* where the build reads them (see x8_runs) */
         x8_columns(x, weight, format, out, n, first, last);
         return;
