@@ -50,9 +50,16 @@ def gguf_model(smol_model_dir):
 
 @torch.inference_mode()
 def test_this_host_computes_on_what_it_has(smol_model_dir):
-    """The defaults: the model's 4-bit blocks on every CPU (AVX512-BF16 too), the kernels this CPU runs."""
+    """The defaults: the model's 4-bit blocks on every CPU (AVX512-BF16 too), the kernels this CPU runs. Torch
+    threads as configured (3, a 4-core CPU's default), but one on an ARMv8.0 core, where torch's threaded float64
+    BLAS (the kernels' probe) dies of SIGILL."""
     host = hardware.detect_host()
-    defaults = HFBackend(EngineConfig(model=smol_model_dir, device="cpu"), smol_model_dir)
+    try:
+        defaults = HFBackend(EngineConfig(model=smol_model_dir, device="cpu", threads=3), smol_model_dir)
+        armv8_0 = host.arch in ("aarch64", "arm64") and "atomics" not in host.flags
+        assert torch.get_num_threads() == (1 if armv8_0 else 3)
+    finally:
+        torch.set_num_threads(1)  # as conftest sets it for the tests
     assert (defaults.info.weights, defaults.info.dtype) == ("q4_1", "float32")
     assert defaults.fast_decoder.q4 is not None and not defaults.fast_decoder.q4.exact
     assert "the model ships 4-bit weights" in defaults.info.compute_reason and host.isa in defaults.info.compute_reason
@@ -453,7 +460,8 @@ def attention_logits(kernels, model, weights) -> list[torch.Tensor]:
 
 
 def test_processes_that_build_it_at_once_all_load_it(tmp_path):
-    script = ("import sys; from engine.backends import q4; "
+    script = ("import sys, torch; from engine import hardware; from engine.backends import q4; "
+              "torch.set_num_threads(hardware.torch_threads(torch.get_num_threads(), hardware.detect_host())[0]); "
               "sys.exit(0 if q4.load_q4_kernels(sys.argv[1], 1) is not None else 1)")
     builders = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)]) for _ in range(4)]
     assert [builder.wait(timeout=180) for builder in builders] == [0, 0, 0, 0]

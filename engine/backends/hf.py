@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
 from ..errors import describe
-from ..hardware import choose_dtype, detect_host
+from ..hardware import choose_dtype, detect_host, torch_threads
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
 from ..model_store import gguf_of, gguf_tensors_copy
@@ -84,9 +84,12 @@ class Prefill:
 
 class HFBackend(Backend):
     def __init__(self, config: EngineConfig, model_path: str):
-        torch.set_num_threads(config.num_threads)
-        self.device = torch.device(resolve_device(config.device))
         host = detect_host()
+        threads, why_fewer = torch_threads(config.num_threads, host)
+        if why_fewer:
+            logger.info("torch threads: %d of %d, on %s", threads, config.num_threads, why_fewer)
+        torch.set_num_threads(threads)
+        self.device = torch.device(resolve_device(config.device))
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
         q4_mode, why_not = _q4_mode(config, gguf)
         dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if q4_mode else \
