@@ -71,8 +71,9 @@ def torch_threads(wanted: int, host: Host) -> tuple[int, str]:
     """(torch threads, why fewer than wanted). PyPI's aarch64 torch 2.13.0 computes a float64 GEMM on several threads
     with ARMv8.1's atomics (LSE: `ldaddal` in its NVPL BLAS), which an ARMv8.0 core (Cortex-A72 as in the Raspberry
     Pi 4, A53, A57, AWS Graviton 1) does not have: the process dies of SIGILL (the 4-bit kernels' probe computes its
-    reference in float64). One torch thread there; lockstep's kernels keep their own helper threads."""
-    if host.arch in ("aarch64", "arm64") and "atomics" not in host.flags and wanted > 1:
+    reference in float64). One torch thread there; lockstep's kernels keep their own helper threads. Where the flags
+    are unknown (no /proc/cpuinfo, as on macOS), as wanted."""
+    if host.arch in ("aarch64", "arm64") and host.flags and "atomics" not in host.flags and wanted > 1:
         return 1, "an ARMv8.0 CPU (no LSE atomics), where torch's threaded float64 BLAS dies of SIGILL"
     return wanted, ""
 
