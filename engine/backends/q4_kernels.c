@@ -2,8 +2,9 @@
  * they are (so a decode step streams ~96 MB instead of 270 MB of bfloat16 or 540 MB of float32), and a whole decode
  * step of a Llama-shaped model in one call over a float32 slot KV cache. Built by engine/backends/q4.py with
  * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them (and 16-column AVX-512 tiles with the same
- * bits where it has AVX-512), NEON intrinsics with the same bits on ARM64 with the dot-product instructions, plain C
- * (which the compiler vectorizes for whatever the host has) elsewhere. q4.py checks them against float64 before
+ * bits where it has AVX-512), NEON intrinsics with the same bits on ARM64 (8-bit dot products by sdot where the core
+ * has it, 16-bit multiply-adds on ARMv8.0), plain C (which the compiler vectorizes for whatever the host has)
+ * elsewhere. q4.py checks them against float64 before
  * the engine uses them.
  *
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
@@ -1422,9 +1423,9 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
 #else
 #define X8_TILE_ROWS 4 /* rows of an 8-bit 8-column tile */
 #endif
-/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, 4 rows at a time (Q4_1 on AVX-512 from
- * X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps 1.03-1.08x); a unit's
- * groups stay in L2. */
+/* Columns [first, last) (multiples of 8) of a Q4_1_X8 or Q8_0_X8 weight, X8_TILE_ROWS rows at a time (Q4_1 on
+ * AVX-512 from X8_WIDE_ROWS rows: 8, which unpacks each block's nibbles half as often: 8- and 16-row steps
+ * 1.03-1.08x); a unit's groups stay in L2. */
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
     const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
