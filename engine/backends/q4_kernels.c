@@ -4,18 +4,17 @@
  * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them (and 16-column AVX-512 tiles with the same
  * bits where it has AVX-512), NEON intrinsics with the same bits on ARM64 (8-bit dot products by sdot where the core
  * has it, 16-bit multiply-adds on ARMv8.0), plain C (which the compiler vectorizes for whatever the host has)
- * elsewhere. q4.py checks them against float64 before
- * the engine uses them.
+ * elsewhere. q4.py checks them against float64 before the engine uses them.
  *
  * Blocks, as in GGUF: Q4_1 is 20 bytes per 32 weights (fp16 scale d, fp16 minimum m, 16 bytes of nibbles; weight j
  * is d * q_j + m, q_j in the low nibble of byte j for j < 16, the high nibble of byte j - 16 after). Q8_0 is 34
  * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks. On AVX2 (and
  * ARM64's NEON tiles) the weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by
  * lockstep_q4_interleave): the same bytes regrouped so that one vector holds 4 weights of 8 columns (NEON: of 4).
- * On 8-bit activations a block's integer dot products for 8 columns are then vertical maddubs (NEON: sdot) against
- * broadcast activations instead of 8 horizontal sums (a one-row decode step's call 12.7 -> 8.5 ms on a 2-core AVX2
- * host); on float32 ones (exact) 8 columns' weights are one vector of floats for a float GEMM's broadcast FMAs (a
- * 25-row step's call 191 -> 122 ms there).
+ * On 8-bit activations a block's integer dot products for 8 columns are then vertical maddubs (NEON: sdot, or
+ * 16-bit multiply-adds) against broadcast activations instead of 8 horizontal sums (a one-row decode step's call
+ * 12.7 -> 8.5 ms on a 2-core AVX2 host); on float32 ones (exact) 8 columns' weights are one vector of floats for a
+ * float GEMM's broadcast FMAs (a 25-row step's call 191 -> 122 ms there).
  *
  * Every row of x is computed the same way whatever else the call holds: each output is one chain of FMAs over K in
  * the same order, then one fixed reduction, whatever M is, whichever tile or thread computes it. So a row's result
@@ -1222,8 +1221,9 @@ static inline __attribute__((always_inline)) void block_activations(const struct
 /* One block's integer dot products of ROWS rows and 8 columns: dots[r][h] lane j is column 4h + j's. */
 static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, int8x16_t xs[4][2],
                                                              int32x4_t dots[4][2], const int FORMAT, const int ROWS) {
+#if LOCKSTEP_NEON_DOT
     for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
-#if !LOCKSTEP_NEON_DOT
+#else /* dots are the pairs' sums, at the end */
     int16x8_t sums[4][2][2];
     int32x4_t pairs[4][2][2];
     for (int r = 0; r < ROWS; r++)
