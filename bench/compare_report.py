@@ -90,7 +90,8 @@ def describe_machine(model_dir: str) -> dict:
                          {"avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_tile", "f16c"})
     return {"cpu": _cpu_model(), "isa": host.isa, "host_class": host_class(),
             "cpu_flags": sorted(relevant & host.flags),
-            "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30),
+            "cores": os.cpu_count(), "cores_usable": host.num_cores, "cpu_quota": host.cpu_quota,
+            "memory_gib": round(psutil.virtual_memory().total / 2**30),
             "load_average_at_start": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "packages": _package_versions(),
             "copy_bandwidth_gb_s": round(max(copy_bandwidth_gb_s(1), copy_bandwidth_gb_s()), 1),
@@ -98,6 +99,14 @@ def describe_machine(model_dir: str) -> dict:
             "bf16_weights_mb": round(_size_of(Path(model_dir), "*.safetensors") / 1e6),
             "gguf_weights_mb": round(find_gguf().stat().st_size / 1e6),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _quota_note(machine: dict) -> str:
+    """A cgroup's CPU quota, where one kept the servers to fewer cores than the machine has (older runs: none)."""
+    if machine.get("cpu_quota") is None:
+        return ""
+    return f" (a cgroup CPU quota of {machine['cpu_quota']:g} CPUs: lockstep and llama-server compute on " \
+        f"{machine['cores_usable']})"
 
 
 def copy_bandwidth_gb_s(num_threads: int | None = None) -> float:
@@ -356,7 +365,7 @@ class Report:
             f"This run: `{self.command}`, {m['date']}, {self.elapsed_s / 60:.1f} minutes.",
             "",
             f"Machine: {m['cpu']} ({m.get('isa', '?')}; flags {', '.join(m.get('cpu_flags', [])) or '?'}), "
-            f"{m['cores']} cores, {m['memory_gib']} GiB, no GPU; load average "
+            f"{m['cores']} cores{_quota_note(m)}, {m['memory_gib']} GiB, no GPU; load average "
             f"{m['load_average_at_start']} at the start (other work shares these cores: the benchmark client "
             f"itself runs here too); Python {m['python']}, {versions}. All cores together copy memory at "
             f"{m['copy_bandwidth_gb_s']} GB/s (read + write).",

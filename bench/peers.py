@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.hardware import machine_cpu_flags
+from engine.hardware import available_cores, machine_cpu_flags
 
 from .server import REPO, free_port, http_status, signal_group, start_gunicorn
 
@@ -145,10 +145,11 @@ def llama_server_binary(build: str) -> Path:
 
 
 def llama_server_command(gguf: str, port: int, build: str = "native") -> list[str]:
-    """16 slots with continuous batching, every core, a context of 2,048 per slot. On a CPU with AMX-INT8 without
-    weight repacking (`-nr`): there this tree's repacked AMX matmul of the Q4_1 GGUF dies of SIGSEGV on its
-    first batch of more than one row (llama-server at its warm-up, `llama-bench -p 64`; 2026-12-03, 0.3.36).
+    """16 slots with continuous batching, as many threads as lockstep computes on (the cores its affinity allows,
+    within a cgroup's CPU quota), a context of 2,048 per slot. On a CPU with AMX-INT8 without weight repacking
+    (`-nr`): there this tree's repacked AMX matmul of the Q4_1 GGUF dies of SIGSEGV on its first batch of more than
+    one row (llama-server at its warm-up, `llama-bench -p 64`; 2026-12-03, 0.3.36).
     The CPU's own flags decide, not lockstep's capability mask: a masked run still starts llama.cpp on this CPU."""
-    command = [str(llama_server_binary(build)), "-m", str(gguf_path(gguf)), "-t", str(os.cpu_count() or 1), "-np", "16",
+    command = [str(llama_server_binary(build)), "-m", str(gguf_path(gguf)), "-t", str(available_cores()), "-np", "16",
                "-c", "32768", "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port)]
     return command + (["-nr"] if "amx_int8" in machine_cpu_flags() else [])

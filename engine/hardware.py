@@ -1,7 +1,7 @@
 """What this machine can compute with, and the choices that follow from it (dtype, weight format), with the reason
-for each. Read from /proc/cpuinfo and the CUDA driver's device node: no torch, so the parent may call it before
-the fork. Torch's own idea of the CPU (`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY lowers)
-is asked in the worker only."""
+for each. Read from /proc/cpuinfo, the process's affinity and cgroup CPU quota, and the CUDA driver's device node: no
+torch, so the parent may call it before the fork. Torch's own idea of the CPU
+(`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY lowers) is asked in the worker only."""
 import os
 import platform
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ class Host:
     flags: frozenset[str]
     num_cores: int
     has_cuda: bool
+    cpu_quota: float | None = None  # a cgroup's CPU limit, which num_cores already keeps to
 
     @property
     def isa(self) -> str:
@@ -31,7 +32,8 @@ class Host:
         return bool(NATIVE_BF16_FLAGS & self.flags)
 
     def describe(self) -> str:
-        return f"{self.arch} {self.isa}, {self.num_cores} cores" + (", CUDA" if self.has_cuda else "")
+        quota = f" (a cgroup CPU quota of {self.cpu_quota:g})" if self.cpu_quota is not None else ""
+        return f"{self.arch} {self.isa}, {self.num_cores} cores{quota}" + (", CUDA" if self.has_cuda else "")
 
 
 @lru_cache(maxsize=1)
@@ -56,15 +58,99 @@ def cpu_flags() -> frozenset[str]:
 
 def detect_host() -> Host:
     has_cuda = os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
-    return Host(platform.machine(), cpu_flags(), available_cores(), has_cuda)
+    return Host(platform.machine(), cpu_flags(), available_cores(), has_cuda, cpu_quota())
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    """The cores this process may compute on: those its affinity allows (a cpuset's or taskset's share, not the
+    machine's), within its cgroup's CPU quota (`cores_within`)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return cores_within(cores, cpu_quota())
+
+
+def cores_within(cores: int, quota: float | None) -> int:
+    """No more threads than a CPU quota's whole CPUs (a container's `--cpus`, a Kubernetes CPU limit), at least one:
+    threads beyond it only wait out throttled periods. Measured in a 1-CPU quota on a 2-core host, 2 kernel threads
+    served 177 / 643-669 tok/s at 1 / 8 clients against one thread's 285-291 / 809-836; in a 1.5-CPU quota 247 / 858
+    against 282 / 836, so a fraction rounds down (docs/benchmarks.md)."""
+    return max(1, min(cores, int(quota))) if quota is not None else cores
+
+
+@lru_cache(maxsize=None)
+def cpu_quota(proc: str = "/proc/self") -> float | None:
+    """CPUs' worth of time per period this process's cgroups allow (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`), the least along its path up to the hierarchy's root; None where nothing limits it."""
+    limits = [limit for cgroup in cpu_cgroups(proc) for limit in cgroup.quotas()]
+    return min(limits) if limits else None
+
+
+@dataclass(frozen=True)
+class CpuCgroup:
+    """This process's cgroup in one mounted hierarchy that has the cpu controller."""
+    directory: str
+    mount_point: str  # the hierarchy's root as this process sees it
+    version: int  # 1 or 2
+
+    def quotas(self) -> list[float]:
+        """The quotas set from this cgroup up to the mount point (a parent's limit holds for its children too)."""
+        quotas, directory = [], self.directory
+        while True:
+            quota = self._quota_in(directory)
+            if quota is not None:
+                quotas.append(quota)
+            if len(directory) <= len(self.mount_point):
+                return quotas
+            directory = os.path.dirname(directory)
+
+    def _quota_in(self, directory: str) -> float | None:
+        try:
+            if self.version == 2:
+                quota, period = (_read(directory, "cpu.max").split() + ["100000"])[:2]
+            else:
+                quota, period = _read(directory, "cpu.cfs_quota_us"), _read(directory, "cpu.cfs_period_us")
+            return None if quota in ("max", "-1") or int(period) <= 0 else int(quota) / int(period)
+        except (OSError, ValueError):  # no such file at this level, or not a number
+            return None
+
+
+def cpu_cgroups(proc: str = "/proc/self") -> list[CpuCgroup]:
+    """Where this process sits in each mounted cgroup hierarchy with the cpu controller (v2's unified one, v1's
+    `cpu`), from /proc/self/cgroup and /proc/self/mountinfo."""
+    try:
+        paths = dict(_cgroup_path(line) for line in _read(proc, "cgroup").splitlines() if line.count(":") >= 2)
+        mounts = [line.split() for line in _read(proc, "mountinfo").splitlines()]
+    except OSError:
+        return []
+    cgroups = []
+    for fields in mounts:
+        if "-" not in fields[:-2]:
+            continue
+        root, mount_point = fields[3], fields[4]
+        fs_type, super_options = fields[fields.index("-") + 1], fields[-1].split(",")
+        version = 2 if fs_type == "cgroup2" else 1 if fs_type == "cgroup" and "cpu" in super_options else 0
+        path = paths.get("" if version == 2 else "cpu")
+        if not version or path is None:
+            continue
+        relative = os.path.relpath(path, root)
+        # a path outside the mount's root (a container's view of a host cgroup): the mount is this cgroup
+        directory = mount_point if relative.startswith("..") else os.path.normpath(os.path.join(mount_point, relative))
+        cgroups.append(CpuCgroup(directory, mount_point, version))
+    return cgroups
+
+
+def _cgroup_path(line: str) -> tuple[str, str]:
+    """A /proc/self/cgroup line `id:controllers:path` as (controller, path): "" for v2's unified hierarchy, "cpu" for
+    the v1 hierarchy that has the cpu controller, else its controllers."""
+    _, controllers, path = line.split(":", 2)
+    return ("cpu" if "cpu" in controllers.split(",") else controllers), path
+
+
+def _read(directory: str, name: str) -> str:
+    with open(os.path.join(directory, name), encoding="utf-8") as file:
+        return file.read().strip()
 
 
 def torch_threads(wanted: int, host: Host) -> tuple[int, str]:
