@@ -83,19 +83,19 @@ def cores_within(cores: int, quota: float | None) -> int:
 def cpu_quota(proc: str = "/proc/self") -> float | None:
     """CPUs' worth of time per period this process's cgroups allow (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` over
     `cpu.cfs_period_us`), the least along its path up to the hierarchy's root; None where nothing limits it."""
-    limits = [limit for cgroup in cpu_cgroups(proc) for limit in cgroup.quotas()]
+    limits = [limit for cgroup in cgroups("cpu", proc) for limit in cgroup.cpu_quotas()]
     return min(limits) if limits else None
 
 
 @dataclass(frozen=True)
-class CpuCgroup:
-    """This process's cgroup in one mounted hierarchy that has the cpu controller."""
+class Cgroup:
+    """This process's cgroup in one mounted hierarchy."""
     directory: str
     mount_point: str  # the hierarchy's root as this process sees it
     version: int  # 1 or 2
 
-    def quotas(self) -> list[float]:
-        """The quotas set from this cgroup up to the mount point (a parent's limit holds for its children too)."""
+    def cpu_quotas(self) -> list[float]:
+        """The CPU quotas set from this cgroup up to the mount point (a parent's limit holds for its children too)."""
         quotas, directory = [], self.directory
         while True:
             quota = self._quota_in(directory)
@@ -116,36 +116,37 @@ class CpuCgroup:
             return None
 
 
-def cpu_cgroups(proc: str = "/proc/self") -> list[CpuCgroup]:
-    """Where this process sits in each mounted cgroup hierarchy with the cpu controller (v2's unified one, v1's
-    `cpu`), from /proc/self/cgroup and /proc/self/mountinfo."""
+def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:
+    """Where this process sits in each mounted cgroup hierarchy that may hold `controller` (v2's unified one, and
+    v1's with that controller), from /proc/self/cgroup and /proc/self/mountinfo."""
     try:
-        paths = dict(_cgroup_path(line) for line in _read(proc, "cgroup").splitlines() if line.count(":") >= 2)
+        paths = dict(_cgroup_path(line, controller) for line in _read(proc, "cgroup").splitlines()
+                     if line.count(":") >= 2)
         mounts = [line.split() for line in _read(proc, "mountinfo").splitlines()]
     except OSError:
         return []
-    cgroups = []
+    found = []
     for fields in mounts:
         if "-" not in fields[:-2]:
             continue
         root, mount_point = fields[3], fields[4]
         fs_type, super_options = fields[fields.index("-") + 1], fields[-1].split(",")
-        version = 2 if fs_type == "cgroup2" else 1 if fs_type == "cgroup" and "cpu" in super_options else 0
-        path = paths.get("" if version == 2 else "cpu")
+        version = 2 if fs_type == "cgroup2" else 1 if fs_type == "cgroup" and controller in super_options else 0
+        path = paths.get("" if version == 2 else controller)
         if not version or path is None:
             continue
         relative = os.path.relpath(path, root)
         # a path outside the mount's root (a container's view of a host cgroup): the mount is this cgroup
         directory = mount_point if relative.startswith("..") else os.path.normpath(os.path.join(mount_point, relative))
-        cgroups.append(CpuCgroup(directory, mount_point, version))
-    return cgroups
+        found.append(Cgroup(directory, mount_point, version))
+    return found
 
 
-def _cgroup_path(line: str) -> tuple[str, str]:
-    """A /proc/self/cgroup line `id:controllers:path` as (controller, path): "" for v2's unified hierarchy, "cpu" for
-    the v1 hierarchy that has the cpu controller, else its controllers."""
+def _cgroup_path(line: str, controller: str) -> tuple[str, str]:
+    """A /proc/self/cgroup line `id:controllers:path` as (controller, path): "" for v2's unified hierarchy,
+    `controller` for the v1 hierarchy that has it, else its controllers."""
     _, controllers, path = line.split(":", 2)
-    return ("cpu" if "cpu" in controllers.split(",") else controllers), path
+    return (controller if controller in controllers.split(",") else controllers), path
 
 
 def _read(directory: str, name: str) -> str:

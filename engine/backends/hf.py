@@ -36,7 +36,7 @@ from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
 from .kv_cache import SlotKVCache, use_slot_attention
 from .prefix_cache import PrefixCache, restore
-from .q4 import Q4Kernels, Q4Weights, load_q4_kernels
+from .q4 import Q4Kernels, Q4Weights, empty_float32_model, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,10 @@ class HFBackend(Backend):
             choose_dtype(config.dtype, self.device.type, host)
         if why_not:
             self.compute_reason += f" ({why_not})"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        if q4_mode and gguf is not None:  # every parameter comes from the GGUF: the safetensors are not read
+            self.model = empty_float32_model(model_path)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
         q4 = self._q4(config, gguf, host, exact=q4_mode == "exact") if q4_mode else None
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -108,6 +111,8 @@ class HFBackend(Backend):
         # A lean decode step over the slot cache (fast_forward.py); None: the model's forward decodes.
         use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model,
                                                                                        any_dtype=q4 is not None)
+        if q4 is not None:
+            q4[1].give_model_the_same_weights(self.model, projections=not use_fast)
         kernels = self._bf16_kernels(config) if use_fast and q4 is None else None
         self.fast_decoder = FastDecoder(self.model, kernels, config.kernel_helper_rows,
                                         q4=q4 if use_fast else None) if use_fast else None
@@ -157,19 +162,19 @@ class HFBackend(Backend):
 
     def _q4(self, config: EngineConfig, gguf: str | None, host,
             exact: bool) -> tuple[Q4Kernels, Q4Weights] | None:
-        """The model's own 4-bit blocks and the kernels that read them (`exact`: on float32 activations); the
-        model gets the same weights dequantized. None (the float32 model, in the log why) where either is
-        missing."""
+        """The model's own 4-bit blocks and the kernels that read them (`exact`: on float32 activations), for the
+        caller to give the model the same weights dequantized. None (the float32 model on the blocks' numbers, in the
+        log why) where either is missing."""
         if gguf is None:
             self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
         # ValueError: not a layout the kernels read
         weights = Q4Weights.from_gguf(gguf, self.model.config, gguf_tensors_copy(config.cache_dir))
-        weights.give_model_the_same_weights(self.model)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
         kernels = load_q4_kernels(config.cache_dir, helpers, exact)
         if kernels is None:
+            weights.give_model_the_same_weights(self.model)
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None
         self.compute_reason = {

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..gguf_tensors import read_tensors
 from ..hardware import cpu_flags
+from ..memory import release_freed_memory
 from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
@@ -376,32 +377,86 @@ class Q4Weights:
         return cls.from_gguf(str(find_gguf()), config, gguf_tensors_copy(cache_dir))
 
     @torch.no_grad()
-    def give_model_the_same_weights(self, model: nn.Module) -> None:
+    def give_model_the_same_weights(self, model: nn.Module, projections: bool = True) -> None:
         """The model's own parameters become these blocks dequantized (float32): its forward, the reference of
-        the tests and the exact mode, then computes with the very numbers the kernels read."""
+        the tests, then computes with the very numbers the kernels read. `projections=False` where these kernels
+        compute every step and every prompt: the model's float32 copies of its layers' projections (and of an
+        untied lm_head) would never be read, so they are released instead (405 MB of the embedded model's weights
+        not held twice); the norms and the embedding, which looks tokens up, are given as ever."""
         if model.dtype != torch.float32:
             raise ValueError("the 4-bit kernels run beside a float32 model")
-        parameters = dict(model.named_parameters())
+        if not projections:
+            _release_projections(model)
+        parameters, written = dict(model.named_parameters()), set()
+
+        def write(parameter: torch.Tensor, value: torch.Tensor) -> None:
+            _copy_into(parameter, value)
+            written.add(id(parameter))
+
         for name, value in self.norms.items():
-            _assign(parameters[name], value)
-        for i, layer in enumerate(self.layers):
+            write(parameters[name], value)
+        for i, layer in enumerate(self.layers if projections else ()):
             prefix = f"model.layers.{i}."
             attention, mlp = prefix + "self_attn.", prefix + "mlp."
             qkv, gate_up = layer.qkv.dequantized(), layer.gate_up.dequantized()
             sizes = [parameters[attention + p + "_proj.weight"].shape[0] for p in "qkv"]
             for part, value in zip("qkv", qkv.split(sizes)):
-                _assign(parameters[attention + part + "_proj.weight"], value)
+                write(parameters[attention + part + "_proj.weight"], value)
             gate, up = gate_up.chunk(2)
-            _assign(parameters[mlp + "gate_proj.weight"], gate)
-            _assign(parameters[mlp + "up_proj.weight"], up)
-            _assign(parameters[attention + "o_proj.weight"], layer.out.dequantized())
-            _assign(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
-        _assign(model.get_input_embeddings().weight, self.lm_head.dequantized())
-        if model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
-            _assign(model.lm_head.weight, self.lm_head.dequantized())
+            write(parameters[mlp + "gate_proj.weight"], gate)
+            write(parameters[mlp + "up_proj.weight"], up)
+            write(parameters[attention + "o_proj.weight"], layer.out.dequantized())
+            write(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
+        write(model.get_input_embeddings().weight, self.lm_head.dequantized())
+        if projections and model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+            write(model.lm_head.weight, self.lm_head.dequantized())
+        unwritten = [name for name, parameter in parameters.items()
+                     if parameter.numel() and id(parameter) not in written]
+        if unwritten:  # an empty_float32_model's would hold whatever its memory held
+            raise ValueError(f"the GGUF gives no values for {', '.join(unwritten[:3])}")
 
 
-def _assign(parameter: torch.Tensor, value: torch.Tensor) -> None:
+def empty_float32_model(model_path: str) -> nn.Module:
+    """The model's architecture in float32, its parameters allocated but never written, so not yet resident: on the
+    4-bit path `give_model_the_same_weights` writes every one of them from the GGUF (or releases it), so loading the
+    safetensors first only held the embedded model's 540 MB float32 copy at start for nothing (the worker's peak
+    1,116 MB with it). Buffers (the rotary angles) are computed as `from_pretrained` computes them, and weights are
+    tied as it ties them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+    allocated: dict[int, nn.Parameter] = {}  # a tied parameter is one object under two names
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if id(parameter) not in allocated:
+                allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=torch.float32),
+                                                        requires_grad=False)
+            setattr(module, name, allocated[id(parameter)])
+    model.tie_weights()  # as from_pretrained leaves it (an lm_head tied to the embedding is one tensor)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # none shipped: from_config's, made from the model's config
+        pass
+    return model.eval()
+
+
+def _release_projections(model: nn.Module) -> None:
+    linears = [module for layer in model.model.layers
+               for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                              layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    if model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        linears.append(model.lm_head)
+    released = sum(linear.weight.numel() * linear.weight.element_size() for linear in linears)
+    for linear in linears:
+        linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    release_freed_memory()
+    logger.info("the model's float32 copies of its projections released (the 4-bit kernels compute every step and "
+                "prompt on the blocks): %.0f MB", released / 2**20)
+
+
+def _copy_into(parameter: torch.Tensor, value: torch.Tensor) -> None:
     if parameter.shape != value.shape:
         raise ValueError(f"a GGUF weight of shape {tuple(value.shape)} for a parameter of {tuple(parameter.shape)}")
     parameter.copy_(value)

@@ -1,0 +1,249 @@
+"""A container's limits are cgroup limits. Its CPU limit (Docker's `--cpus`, a Kubernetes CPU limit) is a quota, not
+an affinity: the process still sees every core, and lockstep computes on no more threads than the quota's whole CPUs
+(engine/hardware.py, `available_cores`), and says so in /v1/models. Its memory limit must hold the server: on the
+4-bit path the model worker never holds a float32 copy of the projections (engine/backends/q4.py,
+`empty_float32_model`), so the whole server peaked at 727 MB in its cgroup where it took 1,379 MB.
+
+The parsing runs on cgroup trees written here (cgroup v2 and v1, nested limits, a container's namespaced root); the
+end-to-end tests put a real gunicorn in a real cgroup (a 1.5-CPU quota; a 1 GiB memory limit) where this process may
+make one."""
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import IO
+
+import psutil
+import pytest
+
+from engine.hardware import available_cores, cgroups, cores_within, cpu_quota
+
+from .client import http
+from .test_gunicorn import REPO, free_port, wait_ready
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def proc_with(tmp_path: Path, cgroup_lines: str, mount_lines: str) -> str:
+    proc = tmp_path / "proc"
+    write(proc / "cgroup", cgroup_lines)
+    write(proc / "mountinfo", mount_lines)
+    return str(proc)
+
+
+def test_v2_the_least_quota_on_the_path_up_to_the_mount_counts(tmp_path):
+    mount = tmp_path / "cgroup2"
+    write(mount / "kubepods" / "cpu.max", "400000 100000\n")
+    write(mount / "kubepods" / "pod1" / "cpu.max", "150000 100000\n")
+    write(mount / "kubepods" / "pod1" / "ctr" / "cpu.max", "max 100000\n")
+    proc = proc_with(tmp_path, "0::/kubepods/pod1/ctr\n",
+                     f"30 1 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
+    (cgroup,) = cgroups("cpu", proc)
+    assert (cgroup.directory, cgroup.version) == (str(mount / "kubepods" / "pod1" / "ctr"), 2)
+    assert cpu_quota(proc) == 1.5
+
+
+def test_v1_a_containers_namespaced_root_is_its_own_cgroup(tmp_path):
+    """Docker without a cgroup namespace: /proc/self/cgroup names the host's path, the mount's root is that path."""
+    cpu, memory = tmp_path / "cpu,cpuacct", tmp_path / "memory"
+    write(cpu / "cpu.cfs_quota_us", "50000\n")
+    write(cpu / "cpu.cfs_period_us", "100000\n")
+    write(memory / "cpu.cfs_quota_us", "1\n")  # not the cpu hierarchy: never read
+    proc = proc_with(tmp_path, "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n",
+                     f"40 31 0:37 /docker/abc {cpu} rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+                     f"41 31 0:38 /docker/abc {memory} rw,relatime - cgroup cgroup rw,memory\n"
+                     f"42 31 0:39 /docker/abc {tmp_path / 'cpuset'} rw,relatime - cgroup cgroup rw,cpuset\n")
+    assert [(c.directory, c.version) for c in cgroups("cpu", proc)] == [(str(cpu), 1)]
+    assert cpu_quota(proc) == 0.5
+
+
+def test_no_limit_anywhere_is_none(tmp_path):
+    v1, v2 = tmp_path / "cpu", tmp_path / "unified"
+    write(v1 / "user" / "cpu.cfs_quota_us", "-1\n")
+    write(v1 / "user" / "cpu.cfs_period_us", "100000\n")
+    write(v2 / "user" / "cpu.max", "max 100000\n")
+    proc = proc_with(tmp_path, "3:cpu:/user\n0::/user\n",
+                     f"32 31 0:29 / {v1} rw - cgroup cgroup rw,cpu\n33 31 0:30 / {v2} rw - cgroup2 cgroup2 rw\n")
+    assert len(cgroups("cpu", proc)) == 2
+    assert cpu_quota(proc) is None
+
+
+def test_unreadable_or_odd_files_mean_no_limit(tmp_path):
+    mount = tmp_path / "cgroup2"
+    write(mount / "a" / "cpu.max", "lots 100000\n")
+    write(mount / "cpu.max", "100000 0\n")  # a zero period: not a limit
+    assert cpu_quota(proc_with(tmp_path, "0::/a\n", f"30 1 0:26 / {mount} rw - cgroup2 cgroup2 rw\n")) is None
+    assert cpu_quota(str(tmp_path / "no-such-proc")) is None
+
+
+@pytest.mark.parametrize("cores, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 0.5, 1), (2, 4.0, 2),
+                                                   (64, 2.9, 2), (1, 1e-300, 1)])
+def test_threads_are_the_quotas_whole_cpus_within_the_affinity(cores, quota, threads):
+    assert cores_within(cores, quota) == threads
+
+
+def writable_cgroup(controller: str, limits: dict[int, dict[str, str]]) -> Path | None:
+    """A child of this process's cgroup with `limits[version]` written, in v1's hierarchy of `controller` or in v2's
+    where the controller is delegated; None where this process may make none."""
+    for cgroup in cgroups(controller):
+        controls = Path(cgroup.directory) / "cgroup.subtree_control"
+        if cgroup.version == 2 and (not controls.exists() or controller not in controls.read_text().split()):
+            continue
+        child = Path(cgroup.directory) / f"lockstep-test-{uuid.uuid4().hex[:8]}"
+        try:
+            child.mkdir()
+        except OSError:
+            continue
+        try:
+            for name, value in limits[cgroup.version].items():
+                (child / name).write_text(value)
+            return child
+        except OSError:
+            child.rmdir()
+    return None
+
+
+@pytest.fixture
+def quota_cgroup():
+    if available_cores() < 2:
+        pytest.skip(f"this host has {available_cores()} core: a quota of 1.5 CPUs takes none away")
+    child = writable_cgroup("cpu", {1: {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "150000"},
+                                    2: {"cpu.max": "150000 100000"}})
+    if child is None:
+        pytest.skip("no cgroup cpu controller this process may write (cgroup v1 `cpu`, or v2 with `cpu` delegated: "
+                    "root or a delegated subtree)")
+    yield child
+    child.rmdir()  # its processes are gone: the test waited for them
+
+
+@pytest.fixture
+def memory_cgroup():
+    limit = str(2**30)
+    child = writable_cgroup("memory", {1: {"memory.limit_in_bytes": limit}, 2: {"memory.max": limit}})
+    if child is None:
+        pytest.skip("no cgroup memory controller this process may write (cgroup v1 `memory`, or v2 with `memory` "
+                    "delegated: root or a delegated subtree)")
+    yield child
+    child.rmdir()
+
+
+def start_in(cgroup: Path, tmp_path: Path) -> tuple[subprocess.Popen, str, IO]:
+    """gunicorn as `make serve` starts it, in `cgroup` from its first instruction (its children inherit it)."""
+    port = free_port()
+    env = {**os.environ, "LOCKSTEP_PORT": str(port), "LOCKSTEP_HTTP_THREADS": "16"}
+    env.pop("LOCKSTEP_THREADS", None)
+    log = open(tmp_path / "gunicorn.log", "w+")
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "gunicorn"), "-c", "gunicorn.conf.py", "wsgi:app"], cwd=REPO, env=env,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def stop_every_process_in(cgroup: Path, process: subprocess.Popen) -> list[psutil.Process]:
+    """SIGTERM to the server's group; returns the processes of the cgroup still alive a minute later (killed)."""
+    os.killpg(process.pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(in_cgroup(cgroup), timeout=60)
+    for straggler in alive:
+        straggler.kill()
+    process.wait(10)
+    return alive
+
+
+def completes(url: str, model: str) -> bool:
+    status, _, answer = http("POST", url + "/v1/completions", {"model": model, "prompt": "The capital of France is",
+                                                             "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    return status == 200 and answer["usage"]["completion_tokens"] == 8
+
+
+def test_a_server_in_a_cpu_quota_computes_on_its_whole_cpus(quota_cgroup, smol_model_dir, tmp_path):
+    process, url, log = start_in(quota_cgroup, tmp_path)
+    try:
+        wait_ready(url, process)
+        status, _, models = http("GET", url + "/v1/models")
+        assert status == 200
+        (model,) = models["data"]
+        assert "1 cores (a cgroup CPU quota of 1.5)" in model["compute_reason"]
+        if "lockstep's 4-bit kernels" in model["compute"]:  # a helper thread per core beside the caller
+            assert ", 1 threads" in model["compute"]
+        assert completes(url, model["id"])
+        log.seek(0)
+        assert "a cgroup CPU quota of 1.5" in log.read()  # the start log says it too
+    finally:
+        alive = stop_every_process_in(quota_cgroup, process)
+        log.close()
+    assert not alive, f"processes left after SIGTERM: {alive}"
+
+
+def test_the_server_starts_and_serves_in_a_1_gib_memory_limit(memory_cgroup, smol_model_dir, tmp_path):
+    """It peaked at 1,379 MB here while the worker loaded the safetensors as float32 and kept that copy: in 1.2 GiB the
+    kernel killed the model worker at load. Now 727 MB."""
+    process, url, log = start_in(memory_cgroup, tmp_path)
+    try:
+        wait_ready(url, process)
+        (model,) = http("GET", url + "/v1/models")[2]["data"]
+        assert all(completes(url, model["id"]) for _ in range(3))
+        log.seek(0)
+        assert "died" not in log.read()  # no worker killed and restarted on the way
+    finally:
+        alive = stop_every_process_in(memory_cgroup, process)
+        log.close()
+    assert not alive, f"processes left after SIGTERM: {alive}"
+
+
+def in_cgroup(cgroup: Path) -> list[psutil.Process]:
+    processes = []
+    for pid in (cgroup / "cgroup.procs").read_text().split():
+        try:
+            processes.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            pass
+    return processes
+
+
+def test_the_4_bit_paths_empty_model_given_the_blocks_is_from_pretrained_given_them(smol_model_dir):
+    """The worker's model on the 4-bit path is never read from the safetensors: once given the GGUF's numbers it has
+    what `from_pretrained` + the same gift has, parameter for parameter, buffer for buffer, tied as it is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineConfig
+    from engine.backends.q4 import Q4Weights, empty_float32_model
+    from engine.model_store import gguf_of
+
+    loaded = AutoModelForCausalLM.from_pretrained(smol_model_dir, dtype=torch.float32).eval()
+    empty = empty_float32_model(smol_model_dir)
+    weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), loaded.config)
+    for model in (loaded, empty):
+        weights.give_model_the_same_weights(model)
+    assert dict(loaded.named_parameters()).keys() == dict(empty.named_parameters()).keys()
+    for (name, expected), (_, given) in zip(loaded.named_parameters(), empty.named_parameters()):
+        assert torch.equal(expected, given), name
+    for (name, expected), (_, computed) in zip(loaded.named_buffers(), empty.named_buffers()):
+        assert expected.dtype == computed.dtype and torch.equal(expected, computed), name
+    assert (empty.lm_head.weight is empty.model.embed_tokens.weight) == (
+        loaded.lm_head.weight is loaded.model.embed_tokens.weight)
+    assert empty.generation_config.to_dict() == loaded.generation_config.to_dict()
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, empty(ids).logits)
+
+
+def test_a_gguf_that_leaves_a_parameter_unwritten_is_refused(smol_model_dir):
+    """An empty model's parameter that the GGUF does not give would hold whatever its memory held."""
+    import torch
+
+    from engine import EngineConfig
+    from engine.backends.q4 import Q4Weights, empty_float32_model
+    from engine.model_store import gguf_of
+
+    model = empty_float32_model(smol_model_dir)
+    model.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.empty(model.config.hidden_size))
+    weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), model.config)
+    with pytest.raises(ValueError, match=r"no values for model\.layers\.0\.mlp\.down_proj\.bias"):
+        weights.give_model_the_same_weights(model)
