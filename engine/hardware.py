@@ -123,11 +123,11 @@ def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:
         paths = dict(_cgroup_path(line, controller) for line in _read(proc, "cgroup").splitlines()
                      if line.count(":") >= 2)
         mounts = [line.split() for line in _read(proc, "mountinfo").splitlines()]
-    except OSError:
+    except (OSError, ValueError):  # unreadable, or not text
         return []
     found = []
     for fields in mounts:
-        if "-" not in fields[:-2]:
+        if len(fields) < 10 or "-" not in fields[6:-2]:  # id parent dev root mount options [tags] - type source super
             continue
         root, mount_point = fields[3], fields[4]
         fs_type, super_options = fields[fields.index("-") + 1], fields[-1].split(",")

@@ -79,6 +79,12 @@ def test_unreadable_or_odd_files_mean_no_limit(tmp_path):
     write(mount / "cpu.max", "100000 0\n")  # a zero period: not a limit
     assert cpu_quota(proc_with(tmp_path, "0::/a\n", f"30 1 0:26 / {mount} rw - cgroup2 cgroup2 rw\n")) is None
     assert cpu_quota(str(tmp_path / "no-such-proc")) is None
+    garbled = proc_with(tmp_path / "garbled", "0::/a\n\n:::\n", f"- {mount} x\n1 2 3 - cgroup2\n\n")
+    assert cgroups("cpu", garbled) == [] and cpu_quota(garbled) is None
+    binary = tmp_path / "binary"
+    write(binary / "mountinfo", "")
+    (binary / "cgroup").write_bytes(b"\xff\xfe0::/a\n")
+    assert cpu_quota(str(binary)) is None
 
 
 @pytest.mark.parametrize("cores, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 0.5, 1), (2, 4.0, 2),
