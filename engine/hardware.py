@@ -4,6 +4,7 @@ torch, so the parent may call it before the fork. Torch's own idea of the CPU
 (`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY lowers) is asked in the worker only."""
 import os
 import platform
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,13 +63,17 @@ def detect_host() -> Host:
 
 
 def available_cores() -> int:
-    """The cores this process may compute on: those its affinity allows (a cpuset's or taskset's share, not the
-    machine's), within its cgroup's CPU quota (`cores_within`)."""
+    """The cores this process may compute on: those its affinity allows, within its cgroup's CPU quota
+    (`cores_within`)."""
+    return cores_within(affinity_cores(), cpu_quota())
+
+
+def affinity_cores() -> int:
+    """The cores this process may run on (its affinity: a cpuset's or taskset's share, not the machine's)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return cores_within(cores, cpu_quota())
+        return os.cpu_count() or 1
 
 
 def cores_within(cores: int, quota: float | None) -> int:
@@ -112,7 +117,7 @@ class Cgroup:
             else:
                 quota, period = _read(directory, "cpu.cfs_quota_us"), _read(directory, "cpu.cfs_period_us")
             return None if quota in ("max", "-1") or int(period) <= 0 else int(quota) / int(period)
-        except (OSError, ValueError):  # no such file at this level, or not a number
+        except (OSError, ValueError, OverflowError):  # no such file at this level, not a number, or an absurd one
             return None
 
 
@@ -129,17 +134,24 @@ def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:
     for fields in mounts:
         if len(fields) < 10 or "-" not in fields[6:-2]:  # id parent dev root mount options [tags] - type source super
             continue
-        root, mount_point = fields[3], fields[4]
+        root, mount_point = _unescape(fields[3]), _unescape(fields[4])
         fs_type, super_options = fields[fields.index("-") + 1], fields[-1].split(",")
         version = 2 if fs_type == "cgroup2" else 1 if fs_type == "cgroup" and controller in super_options else 0
         path = paths.get("" if version == 2 else controller)
-        if not version or path is None:
+        if not version or not path:
             continue
-        relative = os.path.relpath(path, root)
-        # a path outside the mount's root (a container's view of a host cgroup): the mount is this cgroup
-        directory = mount_point if relative.startswith("..") else os.path.normpath(os.path.join(mount_point, relative))
-        found.append(Cgroup(directory, mount_point, version))
+        # a path outside the mount's root (a container's view of a host cgroup, `/..` outside a namespace's root):
+        # the mount is this cgroup
+        inside = (path == root or path.startswith(root.rstrip("/") + "/")) and ".." not in path.split("/")
+        relative = path[len(root.rstrip("/")):].lstrip("/") if inside else ""
+        found.append(Cgroup(os.path.join(mount_point, relative).rstrip("/") or "/", mount_point.rstrip("/") or "/",
+                            version))
     return found
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as \\NNN (octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda escaped: chr(int(escaped.group(1), 8)), field)
 
 
 def _cgroup_path(line: str, controller: str) -> tuple[str, str]:
@@ -150,7 +162,7 @@ def _cgroup_path(line: str, controller: str) -> tuple[str, str]:
 
 
 def _read(directory: str, name: str) -> str:
-    with open(os.path.join(directory, name), encoding="utf-8") as file:
+    with open(os.path.join(directory, name), encoding="utf-8", errors="surrogateescape") as file:  # paths: bytes
         return file.read().strip()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .config import DEFAULT_MODEL, EngineConfig, default_cache_dir
 from .errors import BackendUnavailable
-from .hardware import available_cores
+from .hardware import affinity_cores
 
 PARALLEL_SETTINGS = "LOCKSTEP_TENSOR_PARALLEL_SIZE / LOCKSTEP_PIPELINE_PARALLEL_SIZE"
 
@@ -44,7 +44,8 @@ def check_local_capacity(num_workers: int, on_gpu: bool) -> None:
     if on_gpu:
         available, unit, hint = count_gpus(), "GPUs", "CUDA_VISIBLE_DEVICES"
     else:
-        available, unit, hint = available_cores(), "CPU cores", "the cores this process may use"
+        # vLLM's workers are bound to cores of the affinity (a quota only slows them, as it does every thread)
+        available, unit, hint = affinity_cores(), "CPU cores", "the cores this process may run on"
     if num_workers > available:
         raise BackendUnavailable(
             f"tensor_parallel_size x pipeline_parallel_size = {num_workers} vLLM workers, but only {available} "

@@ -87,6 +87,21 @@ def test_unreadable_or_odd_files_mean_no_limit(tmp_path):
     assert cpu_quota(str(binary)) is None
 
 
+def test_escaped_mount_points_and_paths_outside_a_namespaces_root(tmp_path):
+    """mountinfo writes a space as \\040; `0::/../sibling` is a cgroup outside the namespace's root (the mount is all
+    this process sees of it); an empty path or an absurd number is no limit, never an exception."""
+    mount = tmp_path / "my cg"
+    write(mount / "a" / "cpu.max", "50000 100000\n")
+    write(mount / "cpu.max", "200000 100000\n")
+    escaped = str(mount).replace(" ", "\\040")
+    line = f"30 1 0:26 / {escaped} rw - cgroup2 cgroup2 rw\n"
+    assert cpu_quota(proc_with(tmp_path / "spaced", "0::/a\n", line)) == 0.5
+    assert cpu_quota(proc_with(tmp_path / "outside", "0::/../sibling\n", line)) == 2.0
+    assert cpu_quota(proc_with(tmp_path / "no-path", "0::\n", line)) is None
+    write(mount / "huge" / "cpu.max", "1" + "0" * 400 + " 1\n")
+    assert cpu_quota(proc_with(tmp_path / "huge", "0::/huge\n", line)) == 2.0  # the parent's limit still counts
+
+
 @pytest.mark.parametrize("cores, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 0.5, 1), (2, 4.0, 2),
                                                    (64, 2.9, 2), (1, 1e-300, 1)])
 def test_threads_are_the_quotas_whole_cpus_within_the_affinity(cores, quota, threads):
