@@ -9,11 +9,8 @@ end-to-end tests put a real gunicorn in a real cgroup (a 1.5-CPU quota; a 1 GiB 
 make one."""
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
-from typing import IO
 
 import psutil
 import pytest
@@ -21,7 +18,7 @@ import pytest
 from engine.hardware import available_cores, cgroups, cores_within, cpu_quota
 
 from .client import http
-from .test_gunicorn import REPO, free_port, wait_ready
+from .test_edge_gunicorn import Gunicorn
 
 
 def write(path: Path, text: str) -> None:
@@ -139,7 +136,7 @@ def quota_cgroup():
         pytest.skip("no cgroup cpu controller this process may write (cgroup v1 `cpu`, or v2 with `cpu` delegated: "
                     "root or a delegated subtree)")
     yield child
-    child.rmdir()  # its processes are gone: the test waited for them
+    remove(child)
 
 
 @pytest.fixture
@@ -150,29 +147,25 @@ def memory_cgroup():
         pytest.skip("no cgroup memory controller this process may write (cgroup v1 `memory`, or v2 with `memory` "
                     "delegated: root or a delegated subtree)")
     yield child
-    child.rmdir()
+    remove(child)
 
 
-def start_in(cgroup: Path, tmp_path: Path) -> tuple[subprocess.Popen, str, IO]:
-    """gunicorn as `make serve` starts it, in `cgroup` from its first instruction (its children inherit it)."""
-    port = free_port()
-    env = {**os.environ, "LOCKSTEP_PORT": str(port), "LOCKSTEP_HTTP_THREADS": "16"}
-    env.pop("LOCKSTEP_THREADS", None)
-    log = open(tmp_path / "gunicorn.log", "w+")
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "gunicorn"), "-c", "gunicorn.conf.py", "wsgi:app"], cwd=REPO, env=env,
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
-    return process, f"http://127.0.0.1:{port}", log
+def remove(cgroup: Path) -> None:
+    """The test's cgroup, and whatever a server that failed to start left in it."""
+    left = in_cgroup(cgroup)
+    for process in left:
+        process.kill()
+    psutil.wait_procs(left, timeout=30)
+    cgroup.rmdir()
 
 
-def stop_every_process_in(cgroup: Path, process: subprocess.Popen) -> list[psutil.Process]:
+def stop_every_process_in(cgroup: Path, live: Gunicorn) -> list[psutil.Process]:
     """SIGTERM to the server's group; returns the processes of the cgroup still alive a minute later (killed)."""
-    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(live.process.pid, signal.SIGTERM)
     _, alive = psutil.wait_procs(in_cgroup(cgroup), timeout=60)
     for straggler in alive:
         straggler.kill()
-    process.wait(10)
+    live.stop()
     return alive
 
 
@@ -183,37 +176,31 @@ def completes(url: str, model: str) -> bool:
 
 
 def test_a_server_in_a_cpu_quota_computes_on_its_whole_cpus(quota_cgroup, smol_model_dir, tmp_path):
-    process, url, log = start_in(quota_cgroup, tmp_path)
+    live = Gunicorn(tmp_path, quota_cgroup, LOCKSTEP_HTTP_THREADS=16)
     try:
-        wait_ready(url, process)
-        status, _, models = http("GET", url + "/v1/models")
+        status, _, models = http("GET", live.url + "/v1/models")
         assert status == 200
         (model,) = models["data"]
         assert "1 cores (a cgroup CPU quota of 1.5)" in model["compute_reason"]
         if "lockstep's 4-bit kernels" in model["compute"]:  # a helper thread per core beside the caller
             assert ", 1 threads" in model["compute"]
-        assert completes(url, model["id"])
-        log.seek(0)
-        assert "a cgroup CPU quota of 1.5" in log.read()  # the start log says it too
+        assert completes(live.url, model["id"])
+        assert "a cgroup CPU quota of 1.5" in live.log_text()  # the start log says it too
     finally:
-        alive = stop_every_process_in(quota_cgroup, process)
-        log.close()
+        alive = stop_every_process_in(quota_cgroup, live)
     assert not alive, f"processes left after SIGTERM: {alive}"
 
 
 def test_the_server_starts_and_serves_in_a_1_gib_memory_limit(memory_cgroup, smol_model_dir, tmp_path):
     """It peaked at 1,379 MB here while the worker loaded the safetensors as float32 and kept that copy: in 1.2 GiB the
     kernel killed the model worker at load. Now 727 MB."""
-    process, url, log = start_in(memory_cgroup, tmp_path)
+    live = Gunicorn(tmp_path, memory_cgroup, LOCKSTEP_HTTP_THREADS=16)
     try:
-        wait_ready(url, process)
-        (model,) = http("GET", url + "/v1/models")[2]["data"]
-        assert all(completes(url, model["id"]) for _ in range(3))
-        log.seek(0)
-        assert "died" not in log.read()  # no worker killed and restarted on the way
+        (model,) = http("GET", live.url + "/v1/models")[2]["data"]
+        assert all(completes(live.url, model["id"]) for _ in range(3))
+        assert "died" not in live.log_text()  # no worker killed and restarted on the way
     finally:
-        alive = stop_every_process_in(memory_cgroup, process)
-        log.close()
+        alive = stop_every_process_in(memory_cgroup, live)
     assert not alive, f"processes left after SIGTERM: {alive}"
 
 

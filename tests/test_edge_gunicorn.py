@@ -24,7 +24,8 @@ HEADER_TIMEOUT_S = 6
 
 
 class Gunicorn:
-    def __init__(self, tmp_path: Path, **env):
+    def __init__(self, tmp_path: Path, cgroup: Path | None = None, **env):
+        """`cgroup`: the server runs in it from its first instruction (its children inherit it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
@@ -34,7 +35,8 @@ class Gunicorn:
         # Its own process group, so a test can signal the whole group (master, worker, model worker) as systemd does.
         self.process = subprocess.Popen([str(Path(sys.executable).parent / "gunicorn"), "-c", "gunicorn.conf.py",
                                          "wsgi:app"], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=None if cgroup is None else (
+                                            lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))))
         wait_ready(self.url, self.process)
 
     def log_text(self) -> str:

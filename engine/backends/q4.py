@@ -408,7 +408,7 @@ class Q4Weights:
             write(parameters[attention + "o_proj.weight"], layer.out.dequantized())
             write(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
         write(model.get_input_embeddings().weight, self.lm_head.dequantized())
-        if projections and model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+        if projections and _has_own_lm_head(model):
             write(model.lm_head.weight, self.lm_head.dequantized())
         unwritten = [name for name, parameter in parameters.items()
                      if parameter.numel() and id(parameter) not in written]
@@ -446,7 +446,7 @@ def _release_projections(model: nn.Module) -> None:
     linears = [module for layer in model.model.layers
                for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+    if _has_own_lm_head(model):
         linears.append(model.lm_head)
     released = sum(linear.weight.numel() * linear.weight.element_size() for linear in linears)
     for linear in linears:
@@ -454,6 +454,10 @@ def _release_projections(model: nn.Module) -> None:
     release_freed_memory()
     logger.info("the model's float32 copies of its projections released (the 4-bit kernels compute every step and "
                 "prompt on the blocks): %.0f MB", released / 2**20)
+
+
+def _has_own_lm_head(model: nn.Module) -> bool:
+    return model.lm_head.weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()  # not tied
 
 
 def _copy_into(parameter: torch.Tensor, value: torch.Tensor) -> None:
