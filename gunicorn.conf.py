@@ -42,10 +42,11 @@ if SETTINGS.max_sockets > threads - SPARE_THREADS:
 def post_fork(server, worker):
     """Two malloc arenas instead of 8 per core: request threads tokenizing big prompts otherwise each keep
     a private high-water mark (measured, 5 bursts of 32 long /tokenize calls: RSS after them 534-579 MB with
-    glibc's default, 407-419 MB flat with 2)."""
-    from engine.memory import limit_malloc_arenas  # the arenas are per process: set in each worker
+    glibc's default, 407-419 MB flat with 2). Blocks from 4 MiB on unmapped when freed (engine/memory.py)."""
+    from engine.memory import limit_malloc_arenas, unmap_large_blocks_when_freed  # per process: in each worker
 
     limit_malloc_arenas(2)
+    unmap_large_blocks_when_freed()
 
 
 def _state(worker):

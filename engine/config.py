@@ -33,7 +33,9 @@ class EngineConfig:
     device: str = "auto"
     max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
     max_queue: int = 256
-    max_batch_kv_tokens: int = 32768  # rows x longest row (prompt + max_tokens): the worker's KV slots
+    # rows x longest row (prompt + max_tokens): the worker's KV slots. hf on CPU lowers it, and the context with it,
+    # where the memory left once the model is loaded would not hold it (kv_cache.kv_budget_within).
+    max_batch_kv_tokens: int = 32768
     max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
     # Samples (n, best_of) one request may ask for: a group takes that many batch slots at once, so a bound
     # well under the batch keeps one request from holding the whole batch (see `sample_limit`).

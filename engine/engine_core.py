@@ -130,6 +130,8 @@ class EngineCore:
         try:
             self.info = self.executor.start()
             self.load_error = None
+            if self.info.kv_budget_tokens:  # what the worker's memory holds (a limit may have lowered it)
+                self.scheduler.max_batch_kv_tokens = self.info.kv_budget_tokens
             return True
         except EngineError as exc:
             self.load_error = str(exc)

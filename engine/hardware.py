@@ -1,6 +1,6 @@
 """What this machine can compute with, and the choices that follow from it (dtype, weight format), with the reason
-for each. Read from /proc/cpuinfo, the process's affinity and cgroup CPU quota, and the CUDA driver's device node: no
-torch, so the parent may call it before the fork. Torch's own idea of the CPU
+for each. Read from /proc/cpuinfo, the process's affinity, its cgroups' CPU quota and memory limits, /proc/meminfo and
+the CUDA driver's device node: no torch, so the parent may call it before the fork. Torch's own idea of the CPU
 (`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY lowers) is asked in the worker only."""
 import os
 import platform
@@ -13,6 +13,7 @@ ISA_FLAGS = (("AMX-BF16", {"amx_bf16"}), ("AVX512-BF16", {"avx512_bf16"}), ("AVX
              ("AVX2+FMA", {"avx2", "fma"}), ("NEON", {"asimd"}))
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's, and ARM's (Features: bf16)
 CAPABILITY_MASK_ENV = "LOCKSTEP_CPU_FLAGS_MASK"  # flags to hide (comma-separated): test a lesser host's path
+NO_MEMORY_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page count in bytes (9223372036854771712)
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,18 @@ class Cgroup:
 
     def cpu_quotas(self) -> list[float]:
         """The CPU quotas set from this cgroup up to the mount point (a parent's limit holds for its children too)."""
-        quotas, directory = [], self.directory
-        while True:
-            quota = self._quota_in(directory)
-            if quota is not None:
-                quotas.append(quota)
-            if len(directory) <= len(self.mount_point):
-                return quotas
-            directory = os.path.dirname(directory)
+        return [quota for directory in self.levels() if (quota := self._quota_in(directory)) is not None]
+
+    def memory_headrooms(self) -> list[int]:
+        """What each memory limit from this cgroup up to the mount point leaves (a parent's holds its children too)."""
+        return [room for directory in self.levels() if (room := self._headroom_in(directory)) is not None]
+
+    def levels(self) -> list[str]:
+        """This cgroup's directory and its parents' up to the mount point."""
+        directories = [self.directory]
+        while len(directories[-1]) > len(self.mount_point):
+            directories.append(os.path.dirname(directories[-1]))
+        return directories
 
     def _quota_in(self, directory: str) -> float | None:
         try:
@@ -119,6 +124,24 @@ class Cgroup:
             return None if quota in ("max", "-1") or int(period) <= 0 else int(quota) / int(period)
         except (OSError, ValueError, OverflowError):  # no such file at this level, not a number, or an absurd one
             return None
+
+
+    def _headroom_in(self, directory: str) -> int | None:
+        """The limit less the working set (usage less inactive file pages, which the kernel drops before it kills
+        anything: what `docker stats` and the kubelet count); v2's `memory.high` (throttling) counts as a limit too."""
+        try:
+            if self.version == 2:
+                limits = [int(value) for name in ("memory.max", "memory.high")
+                          if (value := _read(directory, name)) != "max"]
+                usage, inactive = int(_read(directory, "memory.current")), _stat(directory, "inactive_file")
+            else:
+                limits = [int(_read(directory, "memory.limit_in_bytes"))]
+                usage = int(_read(directory, "memory.usage_in_bytes"))
+                inactive = _stat(directory, "total_inactive_file")  # total_: the hierarchy's, as usage is
+        except (OSError, ValueError):  # no such file at this level, or not a number
+            return None
+        limits = [limit for limit in limits if limit < NO_MEMORY_LIMIT]
+        return max(0, min(limits) - max(0, usage - inactive)) if limits else None
 
 
 def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:
@@ -159,6 +182,29 @@ def _cgroup_path(line: str, controller: str) -> tuple[str, str]:
     `controller` for the v1 hierarchy that has it, else its controllers."""
     _, controllers, path = line.split(":", 2)
     return (controller if controller in controllers.split(",") else controllers), path
+
+
+def _stat(directory: str, key: str) -> int:
+    """One counter of a cgroup's `memory.stat` (0 where it is missing)."""
+    for line in _read(directory, "memory.stat").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def memory_headroom(proc: str = "/proc/self", meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes this process's server may still take before the kernel kills one of its processes: the least of what its
+    cgroups' memory limits leave (a container's `--memory`, a Kubernetes memory limit) and the machine's
+    MemAvailable; None where neither is known. Read when asked: it changes as the server grows."""
+    rooms = [room for cgroup in cgroups("memory", proc) for room in cgroup.memory_headrooms()]
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in _read(*os.path.split(meminfo)).splitlines()
+                         if line.startswith("MemAvailable:"))
+        rooms.append(available)
+    except (OSError, ValueError, IndexError, StopIteration):  # not Linux, or a kernel older than 3.14
+        pass
+    return min(rooms) if rooms else None
 
 
 def _read(directory: str, name: str) -> str:

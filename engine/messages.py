@@ -111,6 +111,8 @@ class ModelInfo:
     compute: str = ""  # what computes the model here (weights, kernels, threads)
     compute_reason: str = ""  # the host and why that was chosen
     prefix_cache: bool = False  # whether prompts resume from cached prefixes (hf: prefix_cache.py; vLLM: its own)
+    kv_budget_tokens: int = 0  # positions of keys and values the batch may hold (0: the configured budget)
+    kv_budget_reason: str = ""  # why the budget (and max_model_len) is less than configured: what memory leaves
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ forever. The first thing the child does is let go of those it will need (imports
 standard streams' buffers).
 """
 import ctypes
+import gc
 import io
 import logging
 import os
@@ -22,6 +23,7 @@ from importlib import _bootstrap as import_machinery
 
 from .channel import Channel, ChannelClosed, close_all_but
 from .errors import describe
+from .memory import unmap_large_blocks_when_freed
 from .messages import (EchoResult, EchoTask, ShutdownTask, StepResult, StepTask, Task, WorkerFailure,
                        WorkerReady)
 
@@ -34,6 +36,9 @@ _inherited_streams: list = []
 
 
 def run_worker(config, model_path: str, backend_name: str, channel: Channel) -> None:
+    # The parent's objects are never the worker's garbage: the collector skips them, so it never writes to their pages
+    # (each write copies a page the fork shared).
+    gc.freeze()
     parent_pid = os.getppid()
     close_all_but(channel)  # the parent's ends, and any other engine's pipes the fork copied
     own_std_streams()
@@ -42,6 +47,7 @@ def run_worker(config, model_path: str, backend_name: str, channel: Channel) -> 
     close_inherited_sockets()
     ignore_stop_signals()
     die_with_parent(parent_pid)
+    unmap_large_blocks_when_freed()  # keys and values come and go: their memory must go back to the OS with them
     try:
         backend = load_backend(config, model_path, backend_name)
     except Exception as exc:  # noqa: BLE001 - any load failure must reach the parent as one clear line

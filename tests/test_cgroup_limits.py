@@ -2,20 +2,25 @@
 an affinity: the process still sees every core, and lockstep computes on no more threads than the quota's whole CPUs
 (engine/hardware.py, `available_cores`), and says so in /v1/models. Its memory limit must hold the server: on the
 4-bit path the model worker never holds a float32 copy of the projections (engine/backends/q4.py,
-`empty_float32_model`), so the whole server peaked at 727 MB in its cgroup where it took 1,379 MB.
+`empty_float32_model`), so the whole server peaked at 727 MB in its cgroup where it took 1,379 MB; and its keys and
+values must stay within what the limit leaves once the model is loaded (the KV budget and the context follow it:
+`memory_headroom`, `kv_budget_within`).
 
-The parsing runs on cgroup trees written here (cgroup v2 and v1, nested limits, a container's namespaced root); the
-end-to-end tests put a real gunicorn in a real cgroup (a 1.5-CPU quota; a 1 GiB memory limit) where this process may
-make one."""
+The parsing runs on cgroup trees written here (cgroup v2 and v1, nested limits, a container's namespaced root, memory
+limits and what their cgroups hold); the end-to-end tests put a real gunicorn in a real cgroup (a 1.5-CPU quota; a
+1 GiB memory limit, then filled with long prompts) where this process may make one."""
 import os
 import signal
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 
-from engine.hardware import available_cores, cgroups, cores_within, cpu_quota
+from engine import EngineConfig
+from engine.backends.kv_cache import KV_MEMORY_RESERVE, MIN_CONTEXT, KVBudget, kv_budget_within
+from engine.hardware import available_cores, cgroups, cores_within, cpu_quota, memory_headroom
 
 from .client import http
 from .test_edge_gunicorn import Gunicorn
@@ -24,6 +29,10 @@ from .test_edge_gunicorn import Gunicorn
 def write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+MB = 1 << 20
+KV_BYTES_PER_POSITION = 23040  # the embedded model's keys and values in float16: 30 layers x 3 heads x 64 x 2 x 2
 
 
 def proc_with(tmp_path: Path, cgroup_lines: str, mount_lines: str) -> str:
@@ -97,6 +106,70 @@ def test_escaped_mount_points_and_paths_outside_a_namespaces_root(tmp_path):
     assert cpu_quota(proc_with(tmp_path / "no-path", "0::\n", line)) is None
     write(mount / "huge" / "cpu.max", "1" + "0" * 400 + " 1\n")
     assert cpu_quota(proc_with(tmp_path / "huge", "0::/huge\n", line)) == 2.0  # the parent's limit still counts
+
+
+def meminfo_with(tmp_path: Path, available_mb: int) -> str:
+    path = tmp_path / "meminfo"
+    write(path, f"MemTotal:       25165824 kB\nMemFree:  1024 kB\nMemAvailable:   {available_mb * 1024} kB\n")
+    return str(path)
+
+
+def test_v2_memory_headroom_is_the_least_limit_less_what_its_cgroup_holds(tmp_path):
+    """What a cgroup holds counts without its inactive file pages (the kernel drops them before it kills); v2's
+    `memory.high` binds like `memory.max`; a parent's limit holds its children too."""
+    mount = tmp_path / "cgroup2"
+    pod, ctr = mount / "kubepods" / "pod1", mount / "kubepods" / "pod1" / "ctr"
+    write(mount / "kubepods" / "memory.max", "max\n")
+    write(mount / "kubepods" / "memory.current", f"{9000 * MB}\n")
+    for name, value in {"memory.max": 2048 * MB, "memory.current": 1536 * MB}.items():
+        write(pod / name, f"{value}\n")
+    write(pod / "memory.high", "max\n")
+    write(pod / "memory.stat", f"anon {1000 * MB}\nactive_file {36 * MB}\ninactive_file {400 * MB}\n")
+    for name, value in {"memory.max": 1024 * MB, "memory.high": 900 * MB, "memory.current": 300 * MB}.items():
+        write(ctr / name, f"{value}\n")
+    write(ctr / "memory.stat", f"anon {200 * MB}\ninactive_file {100 * MB}\n")
+    proc = proc_with(tmp_path, "0::/kubepods/pod1/ctr\n", f"30 1 0:26 / {mount} rw - cgroup2 cgroup2 rw\n")
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 700 * MB  # the container's memory.high
+    write(pod / "memory.current", f"{1900 * MB}\n")  # the pod's other containers grew: 2048 - (1900 - 400)
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 548 * MB
+    assert memory_headroom(proc, meminfo_with(tmp_path, 300)) == 300 * MB  # the machine has less
+    write(ctr / "memory.current", f"{5000 * MB}\n")  # past its limit (as reported): none left, never negative
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 0
+
+
+def test_v1_memory_headroom_reads_no_limit_as_none(tmp_path):
+    """cgroup v1 writes "no limit" as 9223372036854771712; its usage is the hierarchy's, so is total_inactive_file."""
+    memory = tmp_path / "memory"
+    write(memory / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(memory / "memory.usage_in_bytes", f"{20000 * MB}\n")
+    write(memory / "docker" / "abc" / "memory.limit_in_bytes", f"{1024 * MB}\n")
+    write(memory / "docker" / "abc" / "memory.usage_in_bytes", f"{700 * MB}\n")
+    write(memory / "docker" / "abc" / "memory.stat",
+          f"cache {300 * MB}\ninactive_file {10 * MB}\ntotal_inactive_file {200 * MB}\n")
+    mounts = f"41 31 0:38 / {memory} rw,relatime - cgroup cgroup rw,memory\n"
+    proc = proc_with(tmp_path, "9:memory:/docker/abc\n", mounts)
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 524 * MB
+    unlimited = proc_with(tmp_path / "unlimited", "9:memory:/\n", mounts)
+    assert memory_headroom(unlimited, meminfo_with(tmp_path, 8000)) == 8000 * MB  # only the machine's
+    assert memory_headroom(unlimited, str(tmp_path / "no-meminfo")) is None
+    write(tmp_path / "garbled", "MemAvailable: lots\n")
+    assert memory_headroom(unlimited, str(tmp_path / "garbled")) is None
+
+
+def test_the_kv_budget_fits_what_memory_leaves():
+    """The batch's keys and values and one whole context (a joining prompt's copy) within the headroom less a
+    reserve; as configured where that fits or nothing is known."""
+    assert kv_budget_within(None, KV_BYTES_PER_POSITION, 32768, 8192) == KVBudget(32768, 8192)
+    assert kv_budget_within(16 << 30, KV_BYTES_PER_POSITION, 32768, 8192) == KVBudget(32768, 8192)
+    headroom = 400 * MB
+    tight = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 8192)
+    fit = (headroom - KV_MEMORY_RESERVE - headroom // 8) // KV_BYTES_PER_POSITION
+    assert tight.context == fit // 2 < 8192 and tight.context <= tight.positions <= fit - tight.context
+    assert "memory leaves 400 MB beside the model" in tight.reason and "may kill" not in tight.reason
+    ample_context = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 2048)  # a short context keeps its own
+    assert ample_context.context == 2048 and ample_context.positions == fit - 2048
+    starved = kv_budget_within(70 * MB, KV_BYTES_PER_POSITION, 32768, 8192)
+    assert starved.positions == starved.context == MIN_CONTEXT and "the kernel may kill" in starved.reason
 
 
 @pytest.mark.parametrize("cores, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 0.5, 1), (2, 4.0, 2),
@@ -191,17 +264,40 @@ def test_a_server_in_a_cpu_quota_computes_on_its_whole_cpus(quota_cgroup, smol_m
     assert not alive, f"processes left after SIGTERM: {alive}"
 
 
-def test_the_server_starts_and_serves_in_a_1_gib_memory_limit(memory_cgroup, smol_model_dir, tmp_path):
+def test_the_server_serves_a_batch_of_long_prompts_in_a_1_gib_memory_limit(memory_cgroup, smol_model_dir, tmp_path):
     """It peaked at 1,379 MB here while the worker loaded the safetensors as float32 and kept that copy: in 1.2 GiB the
-    kernel killed the model worker at load. Now 727 MB."""
+    kernel killed the model worker at load. Now 727 MB. Then a batch of long prompts grew keys and values past the
+    limit (16 prompts of 3,500 tokens: the model worker killed twice, every request a 503): now the KV budget and the
+    context are what the limit leaves once the model is loaded, /v1/models says so, and long prompts take turns."""
     live = Gunicorn(tmp_path, memory_cgroup, LOCKSTEP_HTTP_THREADS=16)
     try:
         (model,) = http("GET", live.url + "/v1/models")[2]["data"]
-        assert all(completes(live.url, model["id"]) for _ in range(3))
-        assert "died" not in live.log_text()  # no worker killed and restarted on the way
+        assert "memory leaves" in model["kv_budget_reason"]
+        assert model["max_batch_kv_tokens"] < EngineConfig().max_batch_kv_tokens and model["max_model_len"] < 8192
+        context = model["max_model_len"]
+        status, _, refused = http("POST", live.url + "/v1/completions",
+                                  {"model": model["id"], "prompt": [200] * context, "max_tokens": 1})
+        assert status == 400 and refused["error"]["code"] == "context_length_exceeded"
+        with ThreadPoolExecutor(8) as pool:  # together, 4x the budget's keys and values
+            answers = list(pool.map(lambda i: http("POST", live.url + "/v1/completions", {
+                "model": model["id"], "prompt": [100 + i] + [200 + n % 500 for n in range(context // 2)],
+                "max_tokens": 32, "temperature": 0, "ignore_eos": True}, timeout=600), range(8)))
+        assert [status for status, _, _ in answers] == [200] * 8, answers[0][2]
+        assert all(answer["usage"]["completion_tokens"] == 32 for _, _, answer in answers)
+        assert oom_kills(memory_cgroup) == 0 and "died" not in live.log_text()
+        assert completes(live.url, model["id"])
     finally:
         alive = stop_every_process_in(memory_cgroup, live)
     assert not alive, f"processes left after SIGTERM: {alive}"
+
+
+def oom_kills(cgroup: Path) -> int:
+    """Processes the kernel's OOM killer took in the cgroup (v1 `memory.oom_control`, v2 `memory.events`)."""
+    for name in ("memory.events", "memory.oom_control"):
+        if (cgroup / name).exists():
+            counters = dict(line.split() for line in (cgroup / name).read_text().splitlines())
+            return int(counters.get("oom_kill", 0))
+    raise AssertionError(f"no OOM counter in {cgroup}")
 
 
 def in_cgroup(cgroup: Path) -> list[psutil.Process]:

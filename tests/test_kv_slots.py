@@ -112,3 +112,31 @@ def test_one_query_token_attends_like_sdpa_and_ignores_masked_positions():
     poisoned = values.clone()
     poisoned[1, :, 4:] = 1e30  # what a masked position holds never reaches the output
     assert torch.equal(slot_attention(None, query, keys, poisoned, mask)[0][1], got[1])
+
+
+def test_no_spare_slot_past_the_kv_budget_and_the_storage_regrows_a_layer_at_a_time(monkeypatch):
+    """Slots come in pairs (a row joining next needs no reallocation), but where the pair would take the storage past
+    the KV budget a long row alone holds one slot: in a memory limit the spare doubled a 7,000-token row's keys and
+    values (306 MB instead of 153) and the kernel killed the model worker."""
+    monkeypatch.setattr(kv_cache, "PAGE_TOKENS", PAGE)
+
+    def cache_with(budget: float) -> SlotKVCache:
+        cache = SlotKVCache(num_layers=3, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                            device=torch.device("cpu"), max_positions=budget)
+        row = (torch.ones((1, 1, 40, 2)), torch.ones((1, 1, 40, 2)))
+        cache.add_row([row] * 3, length=40)
+        return cache
+
+    assert (cache_with(float("inf")).num_slots, cache_with(float("inf")).capacity) == (2, 48)  # the pair
+    tight = cache_with(60)  # 2 x 48 positions would pass it
+    assert (tight.num_slots, tight.capacity) == (1, 48)
+    before = tight.reallocations
+    tight.prepare_decode()  # 41 positions used of 48: no growth
+    assert tight.reallocations == before
+    tight.lengths[0] = 48  # the row's next token needs a new page: every layer regrown, the row's numbers kept
+    tight.prepare_decode()
+    assert tight.reallocations == before + 1 and (tight.num_slots, tight.capacity) == (1, 64)
+    assert all(float(t[0, 0, :40].sum()) == 80.0 and float(t[0, 0, 40:].abs().sum()) == 0.0
+               for t in tight.keys + tight.values)
+    row = (torch.ones((1, 1, 10, 2)), torch.ones((1, 1, 10, 2)))
+    assert tight.add_row([row] * 3, length=10) == 1 and tight.num_slots == 2  # a second row always gets its slot

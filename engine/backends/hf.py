@@ -19,14 +19,14 @@ import inspect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from ..config import EngineConfig
 from ..errors import describe
-from ..hardware import choose_dtype, detect_host, torch_threads
+from ..hardware import choose_dtype, detect_host, memory_headroom, torch_threads
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
 from ..model_store import gguf_of, gguf_tensors_copy
@@ -34,7 +34,7 @@ from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
-from .kv_cache import SlotKVCache, use_slot_attention
+from .kv_cache import SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
 from .q4 import Q4Kernels, Q4Weights, empty_float32_model, load_q4_kernels
 from .sampler import TokenSampler, prompt_logprobs, samplers_for
@@ -118,6 +118,7 @@ class HFBackend(Backend):
                                         q4=q4 if use_fast else None) if use_fast else None
         if q4 is not None and not use_fast:
             self.compute_reason += "; without the fast forward, the model's own on the same weights in float32"
+        del q4  # the GGUF's blocks as read (the kernels keep their own layout): freed before memory is measured
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
         self.prefills: deque[Prefill] = deque()
@@ -139,6 +140,7 @@ class HFBackend(Backend):
                     self._forward_name(), "on" if self.batch_invariant else "off")
         logger.info("compute chosen for %s", self.info.compute_reason)
         self._warm_up()
+        self._fit_kv_budget(config)
 
     @property
     def chunks_compute_alike(self) -> bool:
@@ -159,6 +161,32 @@ class HFBackend(Backend):
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             self.prefix_cache.queried_tokens = self.prefix_cache.hit_tokens = 0
+
+    def _fit_kv_budget(self, config: EngineConfig) -> None:
+        """Keys and values within what memory leaves once the model is loaded and warm (a container's limit, a small
+        machine): past it the kernel kills the model worker mid-batch, failing every running request (measured: 16
+        prompts of 1,500 tokens in a 1 GiB limit). A request longer than the context that fits is refused up front."""
+        if self.device.type != "cpu":
+            return
+        release_freed_memory()
+        budget = kv_budget_within(memory_headroom(), self._kv_bytes_per_position(), config.max_batch_kv_tokens,
+                                  self.info.max_model_len)
+        if budget.reason:
+            logger.warning("KV budget: %s", budget.reason)
+        self.kv_budget_tokens = budget.positions
+        if self.cache is not None:  # the warm-up's
+            self.cache.max_positions = budget.positions
+        self.info = replace(self.info, max_model_len=budget.context, kv_budget_tokens=budget.positions,
+                            kv_budget_reason=budget.reason)
+
+    def _kv_bytes_per_position(self) -> int:
+        """Keys and values of one position in every layer, in the dtype the cache keeps them in."""
+        config = self.model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q4 = self.fast_decoder.q4 if self.fast_decoder is not None else None
+        dtype = q4.kv_dtype if q4 is not None else self.model.dtype
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
     def _q4(self, config: EngineConfig, gguf: str | None, host,
             exact: bool) -> tuple[Q4Kernels, Q4Weights] | None:
@@ -224,6 +252,7 @@ class HFBackend(Backend):
         for request in new_requests:
             self._queue_prefill(request, output)
         self._fit_prefix_cache()
+        feeds_prompts, reallocations = bool(self.prefills), self._reallocations()
         # Prompts first, and a step whose prompts produced first tokens returns them without decoding the streams
         # (unless the step before skipped already, so streams never wait two steps): a short prompt's first token
         # waits for its own prefill only, not for a decode of every stream too (TTFT beside 8 streams), and the
@@ -239,7 +268,13 @@ class HFBackend(Backend):
             self._join_batch(prefill, rows)
         self.joining.clear()
         self._fit_prefix_cache()
+        if feeds_prompts or self._reallocations() != reallocations:
+            release_freed_memory()  # a prompt's chunks, a regrown cache: freed blocks glibc would keep resident
         return output
+
+    def _reallocations(self) -> int:
+        return self.cache.reallocations if self.cache is not None else 0
+
 
     def _fit_prefix_cache(self) -> None:
         """The cached prefixes get what the running rows' slots and the prompts being fed leave of the KV budget
@@ -403,8 +438,8 @@ class HFBackend(Backend):
 
     def _chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
         """Batch-invariant where chunking changes the numbers: the prompt's own plan, whatever else runs (a step's
-        budget and time decide how many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the largest chunks
-        the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
+        budget and time decide how many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the
+        largest chunks the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
         earlier chunks cost per unit (see `_cost_units`)."""
         if self.batch_invariant and not self.chunks_compute_alike:
             return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens,
@@ -455,7 +490,8 @@ class HFBackend(Backend):
         layers = _kv(prefill.cache)
         if self.cache is None:
             _, num_kv_heads, _, head_dim = layers[0][0].shape
-            self.cache = SlotKVCache(len(layers), num_kv_heads, head_dim, layers[0][0].dtype, self.device)
+            self.cache = SlotKVCache(len(layers), num_kv_heads, head_dim, layers[0][0].dtype, self.device,
+                                     self.kv_budget_tokens)
         for row in rows:
             self.cache.add_row(layers, prefill.num_computed)
             self.rows.append(row)

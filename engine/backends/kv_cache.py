@@ -19,6 +19,7 @@ other rows, the batch size or the span (each score is one dot product; masked po
 zeros): the basis of batch-invariant greedy decoding.
 """
 import logging
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -30,10 +31,41 @@ from .q4 import KEY_BLOCK
 logger = logging.getLogger(__name__)
 
 SLOT_ATTENTION = "lockstep_slots"
-PAGE_TOKENS = 64  # a multiple of q4.KEY_BLOCK; capacity grows (and shrinks) in multiples of this many positions (every step reads all of
-# it, so larger pages slow short answers; growing copies the cache, so smaller pages copy more often)
+# A multiple of q4.KEY_BLOCK; capacity grows (and shrinks) in multiples of this many positions (every step reads all
+# of it, so larger pages slow short answers; growing copies the cache, so smaller pages copy more often).
+PAGE_TOKENS = 64
 SLOT_GROUP = 2  # slots are allocated in pairs: at most one row's worth unused (the KV budget counts rows)
 SHRINK_AFTER_TOKENS = 2 * PAGE_TOKENS  # positions per slot no row needs any more before the storage shrinks
+# Memory that keys and values leave to the rest of the server when a limit binds: the HTTP side's requests, a step's
+# activations and logits, glibc's free lists. This much, and an eighth of what was left.
+KV_MEMORY_RESERVE = 64 << 20
+MIN_CONTEXT = 512  # the least context a memory limit may leave before the server warns it will be killed
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    positions: int  # keys and values of the whole batch: rows, prompts being fed, cached prefixes
+    context: int  # one request's prompt and answer
+    reason: str = ""  # why less than configured; "" where the configured budget fits
+
+
+def kv_budget_within(headroom: int | None, bytes_per_position: int, positions: int, context: int) -> KVBudget:
+    """The budget and context that fit in what memory leaves beside the loaded model (`headroom` bytes; None:
+    unknown). A prompt's keys and values are copied into its slot when it joins the batch, so the batch's budget and
+    one whole context must fit together; where they do not, each gets about half (a context of at least MIN_CONTEXT)."""
+    if headroom is None:
+        return KVBudget(positions, context)
+    fit = max(0, headroom - KV_MEMORY_RESERVE - headroom // 8) // bytes_per_position
+    if positions + context <= fit:
+        return KVBudget(positions, context)
+    fit_context = max(MIN_CONTEXT, min(context, fit // 2))
+    fit_positions = max(fit_context, min(positions, fit - fit_context))
+    reason = (f"memory leaves {headroom >> 20} MB beside the model: keys and values of up to {fit_positions} "
+              f"positions ({fit_positions * bytes_per_position >> 20} MB) and a context of {fit_context} tokens "
+              f"(configured {positions} and {context})")
+    if fit_context * 2 > fit:
+        reason += f"; too little for even {MIN_CONTEXT} tokens: the kernel may kill the model worker"
+    return KVBudget(fit_positions, fit_context, reason)
 
 
 class SlotKVCache(Cache):
@@ -43,13 +75,15 @@ class SlotKVCache(Cache):
     device-to-host copy to plan itself)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, max_positions: float = float("inf")):
         super().__init__(layers=[])
+        self.max_positions = max_positions  # the KV budget: no spare slot that would take the storage past it
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
+        self.reallocations = 0  # times the storage changed shape (the old one freed)
         self._step_rows = 0  # rows the current decode step computes (padding rows included)
         self._step_index: torch.Tensor | None = None  # [step rows]: slot of each input row
         self._step_positions: torch.Tensor | None = None  # [step rows]: where each row's new token goes
@@ -110,7 +144,7 @@ class SlotKVCache(Cache):
             self.keys, self.values = [], []
             return freed
         target_capacity = _round_up(max(self.lengths) + 1, PAGE_TOKENS)
-        target_slots = _round_up(self.num_rows, SLOT_GROUP)
+        target_slots = self._slots_for(self.num_rows, target_capacity, self.num_rows)
         freed = self.capacity - target_capacity
         if freed < SHRINK_AFTER_TOKENS and self.num_slots - target_slots < 2 * SLOT_GROUP:
             return 0
@@ -159,23 +193,30 @@ class SlotKVCache(Cache):
     def _reserve(self, rows: int, positions: int) -> None:
         if rows <= self.num_slots and positions <= self.capacity:
             return
-        slots = max(self.num_slots, _round_up(rows, SLOT_GROUP))
-        self._reallocate(slots, max(self.capacity, _round_up(positions, PAGE_TOKENS)))
+        capacity = max(self.capacity, _round_up(positions, PAGE_TOKENS))
+        self._reallocate(self._slots_for(rows, capacity, max(self.num_slots, rows)), capacity)
+
+    def _slots_for(self, rows: int, capacity: int, least: int) -> int:
+        """`least` slots (at least `rows`) rounded up to a pair, fewer where that takes the storage past the KV budget:
+        down to the rows' own (a long row alone in a memory limit would otherwise hold twice its keys and values)."""
+        for slots in (_round_up(least, SLOT_GROUP), least):
+            if slots * capacity <= self.max_positions:
+                return slots
+        return rows
 
     def _reallocate(self, slots: int, capacity: int) -> None:
         logger.debug("KV slots: %d x %d positions -> %d x %d", self.num_slots, self.capacity, slots, capacity)
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
         rows, kept = min(self.num_rows, slots), min(self.capacity, capacity)
-        fresh_keys, fresh_values = [], []
-        for layer in range(self.num_layers):
-            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if self.keys:
-                keys[:rows, :, :kept] = self.keys[layer][:rows, :, :kept]
-                values[:rows, :, :kept] = self.values[layer][:rows, :, :kept]
-            fresh_keys.append(keys)
-            fresh_values.append(values)
-        self.keys, self.values = fresh_keys, fresh_values
+        self.reallocations += 1
+        if not self.keys:
+            self.keys, self.values = [None] * self.num_layers, [None] * self.num_layers
+        for layer in range(self.num_layers):  # a layer at a time: the old and new storage never coexist whole
+            for stored in (self.keys, self.values):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if stored[layer] is not None:
+                    fresh[:rows, :, :kept] = stored[layer][:rows, :, :kept]
+                stored[layer] = fresh
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

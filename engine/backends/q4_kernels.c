@@ -220,17 +220,29 @@ static inline void quantize_block(const float *xs, int8_t *q, float *scale, floa
     *sum = d * (float)all;
 }
 
+static float *grown(float **memory, int64_t *held, int64_t bytes) {
+    if (bytes > *held) {
+        free(*memory);
+        *memory = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        *held = *memory ? bytes : 0;
+    }
+    return *memory;
+}
+
 /* This thread's scratch memory (a matmul's panel, or the attention's keys and values in float32: never both at
  * once), grown as needed and kept (the helper threads live as long as the process); NULL where it cannot be had. */
 static float *thread_panel(int64_t bytes) {
     static __thread float *memory;
     static __thread int64_t held;
-    if (bytes > held) {
-        free(memory);
-        memory = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
-        held = memory ? bytes : 0;
-    }
-    return memory;
+    return grown(&memory, &held, bytes);
+}
+
+/* This thread's attention scores: one unit's queries x the longest slot's positions, grown as needed and kept (a
+ * step's scores for every row and head at once took 137 MB for a 512-token chunk at 7,400 positions). */
+static float *thread_scores(int64_t bytes) {
+    static __thread float *memory;
+    static __thread int64_t held;
+    return grown(&memory, &held, bytes);
 }
 
 static void quantize_rows(const float *x, struct quantized_x *out) {
@@ -2107,7 +2119,7 @@ struct attention_job {
     int64_t kv_heads, group, capacity, head_dim, qkv_width; /* capacity: the largest slot's */
     float scaling;
     int half;       /* keys and values in float16 (else float32) */
-    float *scratch; /* capacity + KEY_BLOCK floats per row and query head */
+    atomic_int *out_of_memory; /* set by a unit that could not have its scores' memory */
 };
 
 struct query_set {
@@ -2119,9 +2131,11 @@ struct query_set {
 #define MAX_SETS (CHUNK_TILES * 2) /* a tile's heads fill at most two sets (group <= 8 heads, or <= 6 rows' heads) */
 
 /* The chunk's query heads for one KV head, TILE_QUERIES at a time; returns how many sets. */
-static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv_head, struct query_set *sets) {
+static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv_head, struct query_set *sets,
+                      float *unit_scores) {
     const int64_t heads = job->kv_heads * job->group, stride = job->capacity + KEY_BLOCK, head_dim = job->head_dim;
     int count = 0;
+    int64_t index = 0; /* the query's scores in this unit's */
     for (int64_t tile = job->chunks[chunk]; tile < job->chunks[chunk + 1]; tile++) {
         sets[count].count = 0;
         for (int64_t row = job->tiles[tile]; row < job->tiles[tile + 1]; row++)
@@ -2129,7 +2143,7 @@ static int query_sets(const struct attention_job *job, int64_t chunk, int64_t kv
                 struct query_set *set = &sets[count];
                 if (set->count == TILE_QUERIES) (set = &sets[++count])->count = 0;
                 set->queries[set->count++] = (struct query){job->qkv + row * job->qkv_width + head * head_dim,
-                                                            job->scratch + (row * heads + head) * stride,
+                                                            unit_scores + index++ * stride,
                                                             job->out + (row * heads + head) * head_dim,
                                                             job->lengths[row]};
             }
@@ -2163,8 +2177,14 @@ static void attention_unit(const void *context, int64_t unit) {
     const int64_t slot = job->slots[job->tiles[job->chunks[chunk]]], at = kv_head * job->capacities[slot] * head_dim;
     const int64_t bytes = job->half ? 2 : 4;
     const void *keys = (const char *)job->keys[slot] + at * bytes, *values = (const char *)job->values[slot] + at * bytes;
+    const int64_t rows = job->tiles[job->chunks[chunk + 1]] - job->tiles[job->chunks[chunk]];
+    float *unit_scores = thread_scores(rows * job->group * (job->capacity + KEY_BLOCK) * (int64_t)sizeof(float));
+    if (!unit_scores) {
+        atomic_store(job->out_of_memory, 1);
+        return;
+    }
     struct query_set sets[MAX_SETS];
-    const int count = query_sets(job, chunk, kv_head, sets);
+    const int count = query_sets(job, chunk, kv_head, sets, unit_scores);
     int64_t longest = 0;
     for (int s = 0; s < count; s++) longest = sets[s].longest > longest ? sets[s].longest : longest;
     /* float16 read by several sets: each position block converted once (exactly) for all of them */
@@ -2265,13 +2285,13 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
     const int64_t widest = width > intermediate ? width : intermediate;
     float *normed = malloc(floats * sizeof(float) + 64);
-    float *scratch = malloc(rows * heads * (capacity + KEY_BLOCK) * sizeof(float) + 64);
     int64_t *lengths = malloc((3 * rows + 2) * sizeof(int64_t) + 8), *tiles = lengths + rows, *chunks = tiles + rows + 1;
     void *quantized = malloc(quantized_x_bytes(rows, widest > attended_width ? widest : attended_width));
-    if (!normed || !scratch || !lengths || !quantized) {
-        free(normed), free(scratch), free(lengths), free(quantized);
+    if (!normed || !lengths || !quantized) {
+        free(normed), free(lengths), free(quantized);
         return -1;
     }
+    atomic_int out_of_memory = 0;
     float *qkv = normed + rows * width, *attended = qkv + rows * qkv_width;
     float *projected = attended + rows * attended_width, *gate_up = projected + rows * width;
     float *activated = gate_up + rows * 2 * intermediate;
@@ -2305,8 +2325,9 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                                           (const void *const *)values + layer * slot_count,
                                           attended, slots,     lengths,   capacities, tiles,    chunks,
                                           kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, !exact,
-                                          scratch};
+                                          &out_of_memory};
         run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
+        if (atomic_load(&out_of_memory)) break;
         matmul(shared, attended, quantized, w[2], layer_format, projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
@@ -2315,11 +2336,16 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         matmul(shared, activated, quantized, w[5], layer_format, projected, rows, width, intermediate, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
     }
+    if (atomic_load(&out_of_memory)) {
+        if (shared) end_shared();
+        free(normed), free(lengths), free(quantized);
+        return -1;
+    }
     for (int64_t i = 0; i < logit_count; i++) /* each row normed alone, as rms_norm does row by row */
         rms_norm(hidden + logit_rows[i] * width, weights[6 * layers], normed + i * width, 1, width, eps[2 * layers]);
     matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_count, vocabulary, width,
            exact);
     if (shared) end_shared();
-    free(normed), free(scratch), free(lengths), free(quantized);
+    free(normed), free(lengths), free(quantized);
     return 0;
 }
