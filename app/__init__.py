@@ -27,8 +27,10 @@ def create_app(config: dict | None = None) -> Flask:
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.config.from_mapping(START_ENGINE=True, WAIT_FOR_MODEL=False)
     app.config.update(config or {})
-    engine_config = app.config.get("ENGINE") or _configured(EngineConfig.from_env)
     settings = app.config.get("SETTINGS") or settings_from_env()
+    # each gunicorn worker loads its own model: they share the memory a limit leaves
+    engine_config = app.config.get("ENGINE") or _configured(
+        lambda: EngineConfig.from_env(model_copies=settings.workers))
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1  # read_json_body refuses the extra byte
 
     metrics = ServerMetrics()

@@ -36,6 +36,9 @@ class EngineConfig:
     # rows x longest row (prompt + max_tokens): the worker's KV slots. hf on CPU lowers it, and the context with it,
     # where the memory left once the model is loaded would not hold it (kv_cache.kv_budget_within).
     max_batch_kv_tokens: int = 32768
+    # Model workers that share this host's memory (gunicorn's LOCKSTEP_WORKERS): each takes an equal share of what a
+    # memory limit leaves for keys and values.
+    model_copies: int = 1
     max_queue_per_client: int = 32  # waiting requests one client (an address, a socket) may hold
     # Samples (n, best_of) one request may ask for: a group takes that many batch slots at once, so a bound
     # well under the batch keeps one request from holding the whole batch (see `sample_limit`).
@@ -94,10 +97,10 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
-        check_at_least_one(self, ("max_batch_size", "max_batch_kv_tokens", "max_queue", "max_queue_per_client",
-                                  "max_samples", "max_echo_logprob_entries", "default_max_tokens", "max_stop_strings",
-                                  "prefill_chunk_tokens", "vllm_cpu_batched_tokens", "tensor_parallel_size",
-                                  "pipeline_parallel_size"))
+        check_at_least_one(self, ("max_batch_size", "max_batch_kv_tokens", "model_copies", "max_queue",
+                                  "max_queue_per_client", "max_samples", "max_echo_logprob_entries",
+                                  "default_max_tokens", "max_stop_strings", "prefill_chunk_tokens",
+                                  "vllm_cpu_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"))
         if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0 or self.prefix_cache_tokens < 0:
             raise ValueError("threads, max_model_len, kernel_helper_rows and prefix_cache_tokens must be >= 0")
         if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,

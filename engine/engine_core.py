@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 
-from .errors import EngineError, NotReady, WorkerFailed, describe
+from .errors import EngineError, NotReady, PromptTooLong, WorkerFailed, describe
 from .executor import ModelExecutor
 from .messages import ModelInfo, StepOutput
 from .output_processor import OutputProcessor, RequestObserver, RequestState
@@ -132,6 +132,10 @@ class EngineCore:
             self.load_error = None
             if self.info.kv_budget_tokens:  # what the worker's memory holds (a limit may have lowered it)
                 self.scheduler.max_batch_kv_tokens = self.info.kv_budget_tokens
+                context = self.info.max_model_len
+                self.outputs.finish(self.scheduler.fail_waiting_longer_than(context, PromptTooLong(
+                    f"the model worker restarted with a context of {context} tokens (what memory leaves): this "
+                    "request's prompt and max_tokens no longer fit", "prompt")))
             return True
         except EngineError as exc:
             self.load_error = str(exc)

@@ -129,19 +129,14 @@ class Cgroup:
     def _headroom_in(self, directory: str) -> int | None:
         """The limit less the working set (usage less inactive file pages, which the kernel drops before it kills
         anything: what `docker stats` and the kubelet count); v2's `memory.high` (throttling) counts as a limit too."""
-        try:
-            if self.version == 2:
-                limits = [int(value) for name in ("memory.max", "memory.high")
-                          if (value := _read(directory, name)) != "max"]
-                usage, inactive = int(_read(directory, "memory.current")), _stat(directory, "inactive_file")
-            else:
-                limits = [int(_read(directory, "memory.limit_in_bytes"))]
-                usage = int(_read(directory, "memory.usage_in_bytes"))
-                inactive = _stat(directory, "total_inactive_file")  # total_: the hierarchy's, as usage is
-        except (OSError, ValueError):  # no such file at this level, or not a number
+        names = ("memory.max", "memory.high", "memory.current") if self.version == 2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        limits = [limit for name in names[:-1] if (limit := _bytes(directory, name)) is not None]
+        usage = _bytes(directory, names[-1])
+        if not limits or usage is None:  # no limit at this level, or none this process may read
             return None
-        limits = [limit for limit in limits if limit < NO_MEMORY_LIMIT]
-        return max(0, min(limits) - max(0, usage - inactive)) if limits else None
+        inactive = _stat(directory, "inactive_file" if self.version == 2 else "total_inactive_file")  # v1: the
+        return max(0, min(limits) - max(0, usage - inactive))  # hierarchy's, as its usage is
 
 
 def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:
@@ -184,12 +179,29 @@ def _cgroup_path(line: str, controller: str) -> tuple[str, str]:
     return (controller if controller in controllers.split(",") else controllers), path
 
 
+def _bytes(directory: str, name: str) -> int | None:
+    """A cgroup's memory file as bytes; None for "max", v1's no-limit value, a missing or unreadable file."""
+    try:
+        value = _read(directory, name)
+        number = None if value == "max" else int(value)
+    except (OSError, ValueError):
+        return None
+    return number if number is not None and number < NO_MEMORY_LIMIT else None
+
+
 def _stat(directory: str, key: str) -> int:
-    """One counter of a cgroup's `memory.stat` (0 where it is missing)."""
-    for line in _read(directory, "memory.stat").splitlines():
+    """One counter of a cgroup's `memory.stat` (0 where it or the file is missing: only what can be dropped)."""
+    try:
+        lines = _read(directory, "memory.stat").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
         name, _, value = line.partition(" ")
         if name == key:
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:
+                return 0
     return 0
 
 

@@ -67,6 +67,7 @@ class RequestPreprocessor:
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         eos_token_ids = frozenset() if sampling.ignore_eos else self._eos_token_ids()
         max_tokens = self._max_tokens(sampling, len(token_ids))
+        self._check_samples_fit_the_kv_budget(sampling, len(token_ids) + max_tokens)
         self._check_echo_size(sampling, len(token_ids) + max_tokens, num_prompts)
         worker_sampling = sampling.for_worker(max_tokens, tuple(sorted(eos_token_ids)))
         return PreparedRequest(request_id, token_ids, sampling, worker_sampling, deadline, eos_token_ids,
@@ -80,6 +81,17 @@ class RequestPreprocessor:
             param = "best_of" if sampling.best_of else "n"
             raise InvalidRequest(f"{param} must be at most {limit} (LOCKSTEP_MAX_SAMPLES: a request's samples "
                                  "take that many batch slots at once)", param)
+
+    def _check_samples_fit_the_kv_budget(self, sampling: SamplingParams, num_tokens: int) -> None:
+        """A request's samples decode side by side, a slot each: together they must fit the worker's KV budget (a
+        request alone always runs, so past the budget it would take memory a limit does not leave)."""
+        info = self._model_info()
+        budget = info.kv_budget_tokens if info else 0
+        if budget and sampling.num_samples > 1 and sampling.num_samples * num_tokens > budget:
+            param = "best_of" if sampling.best_of else "n"
+            raise InvalidRequest(f"{sampling.num_samples} samples x {num_tokens} prompt and answer tokens is more "
+                                 f"than the {budget} positions of keys and values this server holds "
+                                 "(`max_batch_kv_tokens` in /v1/models): ask fewer samples or tokens", param)
 
     def _check_echo_size(self, sampling: SamplingParams, num_tokens: int, num_prompts: int) -> None:
         """echo with logprobs returns every prompt token's top logprobs in every sample: refuse a response past

@@ -229,6 +229,12 @@ class Scheduler:
             self.finished_ids.clear()
             return finished
 
+    def fail_waiting_longer_than(self, max_tokens: int, error: EngineError) -> list[Finished]:
+        """Waiting requests past a restarted worker's context (it measured less memory): alone, they would run."""
+        with self._lock:
+            return [self._mark_finished(seq, FinishReason.ERROR, error)
+                    for seq in [s for s in self.waiting if s.max_num_tokens > max_tokens]]
+
     def wait_idle(self, timeout: float) -> bool:
         with self._lock:
             return self._is_idle.wait_for(lambda: not self.sequences, timeout)

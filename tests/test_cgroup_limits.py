@@ -156,6 +156,23 @@ def test_v1_memory_headroom_reads_no_limit_as_none(tmp_path):
     assert memory_headroom(unlimited, str(tmp_path / "garbled")) is None
 
 
+def test_memory_high_alone_or_files_a_process_may_not_read(tmp_path):
+    """A level with only `memory.high` (v2's throttling limit) binds; a missing `memory.stat` costs only the
+    inactive-page adjustment, not the limit; a level whose usage cannot be read is skipped."""
+    mount = tmp_path / "cgroup2"
+    ctr = mount / "ctr"
+    write(ctr / "memory.max", "max\n")
+    write(ctr / "memory.high", f"{286 * MB}\n")
+    write(ctr / "memory.current", f"{100 * MB}\n")
+    proc = proc_with(tmp_path, "0::/ctr\n", f"30 1 0:26 / {mount} rw - cgroup2 cgroup2 rw\n")
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 186 * MB
+    (ctr / "memory.high").unlink()
+    write(ctr / "memory.max", f"{512 * MB}\n")
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 412 * MB  # no memory.stat here
+    (ctr / "memory.current").unlink()
+    assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 8000 * MB
+
+
 def test_the_kv_budget_fits_what_memory_leaves():
     """The batch's keys and values and one whole context (a joining prompt's copy) within the headroom less a
     reserve; as configured where that fits or nothing is known."""
@@ -169,7 +186,14 @@ def test_the_kv_budget_fits_what_memory_leaves():
     ample_context = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 2048)  # a short context keeps its own
     assert ample_context.context == 2048 and ample_context.positions == fit - 2048
     starved = kv_budget_within(70 * MB, KV_BYTES_PER_POSITION, 32768, 8192)
-    assert starved.positions == starved.context == MIN_CONTEXT and "the kernel may kill" in starved.reason
+    assert starved.positions == starved.context == MIN_CONTEXT and "may throttle or kill" in starved.reason
+    # never more than configured: a short context, a small budget
+    assert kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 256).context == 256
+    assert kv_budget_within(70 * MB, KV_BYTES_PER_POSITION, 32768, 256).context == 256
+    assert kv_budget_within(headroom, KV_BYTES_PER_POSITION, 1024, 8192).positions == 1024
+    # decode padded to two rows: a request alone holds two slots of its context, and the prompt's copy
+    padded = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 8192, lone_slots=2)
+    assert padded.context == fit // 3 and 2 * padded.context <= padded.positions <= fit - padded.context
 
 
 @pytest.mark.parametrize("cores, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 0.5, 1), (2, 4.0, 2),

@@ -1,5 +1,6 @@
 """Bounds on a request's samples and on what echo returns, against a live server: n / best_of at most
-LOCKSTEP_MAX_SAMPLES, prompts x samples within a client's queue (400, never a 429 to retry forever), echo only where
+LOCKSTEP_MAX_SAMPLES, prompts x samples within a client's queue (400, never a 429 to retry forever), samples x tokens
+within the KV budget (a request alone always runs: past the budget it would take memory a limit does not leave), echo only where
 it is served, an echo + logprobs answer within LOCKSTEP_MAX_ECHO_LOGPROB_ENTRIES, and /openapi.json saying so."""
 import pytest
 
@@ -9,12 +10,14 @@ from .conftest import start_live_server
 MAX_SAMPLES = 3
 MAX_QUEUE_PER_CLIENT = 8
 ECHO_BUDGET = 800
+KV_BUDGET = 200
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     live = start_live_server(tiny_model_dir, max_batch_size=8, max_samples=MAX_SAMPLES,
-                             max_queue_per_client=MAX_QUEUE_PER_CLIENT, max_echo_logprob_entries=ECHO_BUDGET)
+                             max_queue_per_client=MAX_QUEUE_PER_CLIENT, max_echo_logprob_entries=ECHO_BUDGET,
+                             max_batch_kv_tokens=KV_BUDGET)
     yield live
     live.stop()
 
@@ -36,6 +39,17 @@ def test_samples_past_the_bound_are_400_naming_the_field(server, path, prompt_fi
     error = assert_refused(http("POST", server.url + path, body), 400, "invalid_value", param)
     assert f"at most {MAX_SAMPLES}" in error["message"]
     status, _, answer = http("POST", server.url + path, {**body, param: MAX_SAMPLES})
+    assert status == 200, answer
+
+
+@pytest.mark.parametrize("param", ["n", "best_of"])
+def test_samples_that_together_pass_the_kv_budget_are_400_naming_the_field(server, param):
+    body = {"model": "x", "prompt": "Hi", "max_tokens": 100, "temperature": 1.0, param: MAX_SAMPLES}
+    error = assert_refused(http("POST", server.url + "/v1/completions", body), 400, "invalid_value", param)
+    assert f"the {KV_BUDGET} positions of keys and values" in error["message"]
+    (model,) = http("GET", server.url + "/v1/models")[2]["data"]
+    assert model["max_batch_kv_tokens"] == KV_BUDGET and model["kv_budget_reason"] == ""
+    status, _, answer = http("POST", server.url + "/v1/completions", {**body, param: 1})  # one sample fits
     assert status == 200, answer
 
 

@@ -8,7 +8,7 @@ import pytest
 from engine import FinishReason, NotReady, Overloaded
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
-from engine.messages import StepOutput, WorkerSampling
+from engine.messages import ModelInfo, StepOutput, WorkerSampling
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.scheduler import Scheduler
@@ -262,3 +262,27 @@ def test_a_request_failed_from_another_thread_mid_step_gets_one_final_output_aft
     events = events_of(slow)
     assert [type(e).__name__ for e in events] == ["DeltaEvent", "RequestOutput"]
     assert events[-1].error_code == "not_ready" and not manager.scheduler.sequences
+
+
+class RestartedWorker:
+    """An executor whose new worker measured less memory: a smaller context and KV budget (fault injection)."""
+
+    def __init__(self, info: ModelInfo):
+        self.info = info
+
+    def start(self) -> ModelInfo:
+        return self.info
+
+
+def test_a_restarted_worker_with_a_smaller_context_fails_the_waiting_requests_past_it():
+    manager = make_core(max_batch_size=8, max_batch_kv_tokens=32768)
+    long, short = make_long_seq("long", 300, 100), make_long_seq("short", 40, 60)
+    manager.add_states([long])
+    manager.add_states([short])
+    info = ModelInfo("m", "hf", "float32", "cpu", max_model_len=200, eos_token_ids=(0,), kv_budget_tokens=300)
+    manager.info, manager.executor = info, RestartedWorker(info)  # as after a first start
+    assert manager._start_worker()
+    assert manager.scheduler.max_batch_kv_tokens == 300
+    finished = outputs(long)
+    assert finished.finish_reason is FinishReason.ERROR and "context of 200 tokens" in finished.error
+    assert [s.request_id for s in manager.scheduler.waiting] == ["short"]

@@ -164,13 +164,16 @@ class HFBackend(Backend):
 
     def _fit_kv_budget(self, config: EngineConfig) -> None:
         """Keys and values within what memory leaves once the model is loaded and warm (a container's limit, a small
-        machine): past it the kernel kills the model worker mid-batch, failing every running request (measured: 16
-        prompts of 1,500 tokens in a 1 GiB limit). A request longer than the context that fits is refused up front."""
+        machine; an equal share for each of `model_copies` workers): past it the kernel kills the model worker
+        mid-batch, failing every running request (measured: 16 prompts of 3,500 tokens in a 1 GiB limit). A request
+        longer than the context that fits, or whose samples together pass the budget, is refused up front."""
         if self.device.type != "cpu":
             return
         release_freed_memory()
-        budget = kv_budget_within(memory_headroom(), self._kv_bytes_per_position(), config.max_batch_kv_tokens,
-                                  self.info.max_model_len)
+        headroom = memory_headroom()
+        budget = kv_budget_within(None if headroom is None else headroom // config.model_copies,
+                                  self._kv_bytes_per_position(), config.max_batch_kv_tokens, self.info.max_model_len,
+                                  self._min_decode_rows())
         if budget.reason:
             logger.warning("KV budget: %s", budget.reason)
         self.kv_budget_tokens = budget.positions
@@ -178,6 +181,11 @@ class HFBackend(Backend):
             self.cache.max_positions = budget.positions
         self.info = replace(self.info, max_model_len=budget.context, kv_budget_tokens=budget.positions,
                             kv_budget_reason=budget.reason)
+
+    def _min_decode_rows(self) -> int:
+        """Batch invariance on oneDNN's matmuls: decode never at one row (a padding row, which takes a slot)."""
+        rows_independent = self.fast_decoder is not None and self.fast_decoder.rows_independent
+        return INVARIANT_MIN_ROWS if self.batch_invariant and not rows_independent else 1
 
     def _kv_bytes_per_position(self) -> int:
         """Keys and values of one position in every layer, in the dtype the cache keeps them in."""
@@ -309,8 +317,7 @@ class HFBackend(Backend):
 
     def _decode(self, output: StepOutput) -> dict[str, tuple[int]]:
         failed = output.failed
-        rows_independent = self.fast_decoder is not None and self.fast_decoder.rows_independent
-        min_rows = INVARIANT_MIN_ROWS if self.batch_invariant and not rows_independent else 1
+        min_rows = self._min_decode_rows()
         token_ids = [row.last_token_id for row in self.rows]
         token_ids += token_ids[:1] * (min_rows - len(token_ids))  # padding rows: outputs ignored
         input_ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)  # [B, 1]

@@ -49,22 +49,25 @@ class KVBudget:
     reason: str = ""  # why less than configured; "" where the configured budget fits
 
 
-def kv_budget_within(headroom: int | None, bytes_per_position: int, positions: int, context: int) -> KVBudget:
+def kv_budget_within(headroom: int | None, bytes_per_position: int, positions: int, context: int,
+                     lone_slots: int = 1) -> KVBudget:
     """The budget and context that fit in what memory leaves beside the loaded model (`headroom` bytes; None:
-    unknown). A prompt's keys and values are copied into its slot when it joins the batch, so the batch's budget and
-    one whole context must fit together; where they do not, each gets about half (a context of at least MIN_CONTEXT)."""
+    unknown), never more than configured. A prompt's keys and values are copied into its slot when it joins the batch,
+    so the batch's budget and one whole context must fit together, and a request alone (which always runs) holds
+    `lone_slots` slots of its context (a padding row where decode never runs at one row). Where they do not fit, the
+    context gets 1 / (lone_slots + 1) of what does (at least MIN_CONTEXT), the budget the rest."""
     if headroom is None:
         return KVBudget(positions, context)
     fit = max(0, headroom - KV_MEMORY_RESERVE - headroom // 8) // bytes_per_position
-    if positions + context <= fit:
+    if max(positions, lone_slots * context) + context <= fit:
         return KVBudget(positions, context)
-    fit_context = max(MIN_CONTEXT, min(context, fit // 2))
-    fit_positions = max(fit_context, min(positions, fit - fit_context))
+    fit_context = min(context, max(MIN_CONTEXT, fit // (lone_slots + 1)))
+    fit_positions = min(positions, max(lone_slots * fit_context, fit - fit_context))
     reason = (f"memory leaves {headroom >> 20} MB beside the model: keys and values of up to {fit_positions} "
               f"positions ({fit_positions * bytes_per_position >> 20} MB) and a context of {fit_context} tokens "
               f"(configured {positions} and {context})")
-    if fit_context * 2 > fit:
-        reason += f"; too little for even {MIN_CONTEXT} tokens: the kernel may kill the model worker"
+    if max(fit_positions, lone_slots * fit_context) + fit_context > fit:
+        reason += f"; too little for even {MIN_CONTEXT} tokens: the kernel may throttle or kill the model worker"
     return KVBudget(fit_positions, fit_context, reason)
 
 
