@@ -283,7 +283,6 @@ class HFBackend(Backend):
     def _reallocations(self) -> int:
         return self.cache.reallocations if self.cache is not None else 0
 
-
     def _fit_prefix_cache(self) -> None:
         """The cached prefixes get what the running rows' slots and the prompts being fed leave of the KV budget
         (up to their own bound): a full batch squeezes the cache, never the other way round."""
