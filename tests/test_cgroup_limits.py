@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from engine import EngineConfig
-from engine.backends.kv_cache import KV_MEMORY_RESERVE, MIN_CONTEXT, KVBudget, kv_budget_within
+from engine.backends.kv_cache import KV_MEMORY_RESERVE, KV_MEMORY_RESERVE_SHARE, MIN_CONTEXT, KVBudget, kv_budget_within
 from engine.hardware import available_cores, cgroups, cores_within, cpu_quota, memory_headroom
 
 from .client import http
@@ -180,7 +180,7 @@ def test_the_kv_budget_fits_what_memory_leaves():
     assert kv_budget_within(16 << 30, KV_BYTES_PER_POSITION, 32768, 8192) == KVBudget(32768, 8192)
     headroom = 400 * MB
     tight = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 8192)
-    fit = (headroom - KV_MEMORY_RESERVE - headroom // 8) // KV_BYTES_PER_POSITION
+    fit = (headroom - KV_MEMORY_RESERVE - headroom // KV_MEMORY_RESERVE_SHARE) // KV_BYTES_PER_POSITION
     assert tight.context == fit // 2 < 8192 and tight.context <= tight.positions <= fit - tight.context
     assert "memory leaves 400 MB beside the model" in tight.reason and "may kill" not in tight.reason
     ample_context = kv_budget_within(headroom, KV_BYTES_PER_POSITION, 32768, 2048)  # a short context keeps its own
