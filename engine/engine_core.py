@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 
-from .errors import EngineError, NotReady, PromptTooLong, WorkerFailed, describe
+from .errors import EngineError, NotReady, WorkerFailed, describe
 from .executor import ModelExecutor
 from .messages import ModelInfo, StepOutput
 from .output_processor import OutputProcessor, RequestObserver, RequestState
@@ -133,9 +133,9 @@ class EngineCore:
             if self.info.kv_budget_tokens:  # what the worker's memory holds (a limit may have lowered it)
                 self.scheduler.max_batch_kv_tokens = self.info.kv_budget_tokens
                 context = self.info.max_model_len
-                self.outputs.finish(self.scheduler.fail_waiting_longer_than(context, PromptTooLong(
+                self.outputs.finish(self.scheduler.fail_waiting_longer_than(context, WorkerFailed(
                     f"the model worker restarted with a context of {context} tokens (what memory leaves): this "
-                    "request's prompt and max_tokens no longer fit", "prompt")))
+                    "request's prompt and max_tokens no longer fit; send it again within /v1/models' max_model_len")))
             return True
         except EngineError as exc:
             self.load_error = str(exc)

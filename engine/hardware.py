@@ -125,7 +125,6 @@ class Cgroup:
         except (OSError, ValueError, OverflowError):  # no such file at this level, not a number, or an absurd one
             return None
 
-
     def _headroom_in(self, directory: str) -> int | None:
         """The limit less the working set (usage less inactive file pages, which the kernel drops before it kills
         anything: what `docker stats` and the kubelet count); v2's `memory.high` (throttling) counts as a limit too."""
@@ -135,8 +134,9 @@ class Cgroup:
         usage = _bytes(directory, names[-1])
         if not limits or usage is None:  # no limit at this level, or none this process may read
             return None
-        inactive = _stat(directory, "inactive_file" if self.version == 2 else "total_inactive_file")  # v1: the
-        return max(0, min(limits) - max(0, usage - inactive))  # hierarchy's, as its usage is
+        # v1's total_inactive_file: the hierarchy's, as its usage is
+        inactive = _stat(directory, "inactive_file" if self.version == 2 else "total_inactive_file")
+        return max(0, min(limits) - max(0, usage - inactive))
 
 
 def cgroups(controller: str, proc: str = "/proc/self") -> list[Cgroup]:

@@ -47,6 +47,7 @@ DEFAULT_CONTEXT = 2048
 REQUEST_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, OverflowError, ZeroDivisionError)
 ATTENTION_COST_SCALE = 500  # context length at which a prompt token costs twice one at context 0 (measured, CPU)
 MIN_CHUNK_TOKENS = 16
+ECHO_CHUNK_TOKENS = 64  # see `_chunk_size`: 64 positions' logits ~13 MB for a 49,152-token vocabulary
 TRIM_AFTER_COLUMNS = 1024  # hand memory back to the OS when a free shortens the batch by this many positions
 INVARIANT_MIN_ROWS = 2  # batch invariance: oneDNN's matmuls never run at one row (see the docstring)
 # Batch invariance: a prompt chunk's cost (see `_cost_units`) whatever its context, so a stream beside a long prompt
@@ -443,6 +444,15 @@ class HFBackend(Backend):
         return first_token_ids
 
     def _chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
+        """As `_clocked_chunk_size`, and where chunking does not change the numbers, echo's chunks short: its prompt
+        logprobs keep every position's logits and their log-softmax (a 512-token chunk ~200 MB for the embedded model:
+        in a 768 MB limit, 16 echo requests got the model worker OOM-killed)."""
+        size = self._clocked_chunk_size(prefill, seconds_left, budget)
+        if prefill.prompt_logprobs is not None and self.chunks_compute_alike:
+            return min(size, ECHO_CHUNK_TOKENS)
+        return size
+
+    def _clocked_chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
         """Batch-invariant where chunking changes the numbers: the prompt's own plan, whatever else runs (a step's
         budget and time decide how many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the
         largest chunks the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what

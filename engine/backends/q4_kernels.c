@@ -220,6 +220,7 @@ static inline void quantize_block(const float *xs, int8_t *q, float *scale, floa
     *sum = d * (float)all;
 }
 
+/* `*memory` holding at least `bytes` (64-byte aligned), reallocated only to grow; NULL where it cannot be had. */
 static float *grown(float **memory, int64_t *held, int64_t bytes) {
     if (bytes > *held) {
         free(*memory);
