@@ -9,7 +9,7 @@ import pytest
 from agents.models import _openai_shared
 from agents.tracing import set_tracing_disabled
 
-from .client import http
+from .client import http, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +39,13 @@ def test_an_agent_turn_runs_over_the_responses_websocket(server, agents_on, capl
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
     with caplog.at_level(logging.INFO, logger="app.responses_ws_session"):
         result = asyncio.run(agents.Runner.run(agent, "Say hello."))
-    [response] = result.raw_responses
+        [response] = result.raw_responses
+        # The socket session logs each response it made, just after sending its last event (so the client may be
+        # done first): this one came over /v1/responses' WebSocket, not REST.
+        wait_until(lambda: any(r.name == "app.responses_ws_session"
+                               and r.getMessage().startswith(f"ws response {response.response_id} ")
+                               for r in caplog.records), timeout=30, what="the socket session's log of the response")
     assert isinstance(result.final_output, str) and result.final_output.strip()
-    # The socket session logs each response it made: this one came over /v1/responses' WebSocket, not REST.
-    made_on_socket = [r.getMessage() for r in caplog.records if r.name == "app.responses_ws_session"]
-    assert any(m.startswith(f"ws response {response.response_id} ") for m in made_on_socket), made_on_socket
     assert response.usage.output_tokens > 0
     # Its answer is the model's own: the same greedy turn over REST says the same.
     status, _, rest = http("POST", server.url + "/v1/responses", {
