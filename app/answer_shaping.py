@@ -6,6 +6,9 @@ Completions: choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{toke
 The numbers are the model's own distribution (see engine/backends/sampler.py). A token that ends inside a
 UTF-8 character shows U+FFFD in `token`; `bytes` are exact.
 """
+import itertools
+from collections.abc import Iterable
+
 from engine import RequestOutput, SamplingParams
 from engine import TokenLogprob, TokenTexts
 
@@ -51,7 +54,7 @@ def chat_logprob_content(entries: tuple[TokenLogprob, ...], texts: TokenTexts) -
     return chat_logprobs(entries, texts)["content"]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts) -> dict:
+def completion_logprobs(token_ids: list[int], entries: Iterable[TokenLogprob | None], texts: TokenTexts) -> dict:
     """`text_offset` counts characters from the start of the choice's text (the prompt's, with echo)."""
     tokens, token_logprobs, top_logprobs, text_offset, offset = [], [], [], [], 0
     for token_id, entry in zip(token_ids, entries):
@@ -77,7 +80,7 @@ def _completion_logprobs_of(choice: RequestOutput, sampling: SamplingParams, tex
     token_ids, entries = list(choice.output_token_ids), list(choice.logprobs or ())
     if sampling.echo:
         token_ids = list(choice.prompt_token_ids) + token_ids
-        entries = list(choice.prompt_logprobs or [None] * len(choice.prompt_token_ids)) + entries
+        entries = itertools.chain(choice.prompt_logprobs or [None] * len(choice.prompt_token_ids), entries)
     return completion_logprobs(token_ids, entries, texts)
 
 

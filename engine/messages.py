@@ -4,6 +4,8 @@ The parent sends a request's prompt once (`NewRequest`); later steps send only w
 requests finished so the worker frees their KV cache. The worker echoes each task's
 `call_id` so the parent can prove that a result answers its own call.
 """
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -69,6 +71,63 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(eq=True)
+class PromptLogprobs(Sequence):
+    """Echo's logprobs of a whole prompt, kept in columns: entry 0 is None (nothing predicts the first token), entry
+    i the TokenLogprob of prompt token i. As TokenLogprob objects a 1,700-token prompt with 20 alternatives held ~4 MB
+    in each process (16 such requests got the model worker OOM-killed in a 768 MB limit); as arrays ~0.3 MB. Both
+    backends compute logprobs in float32, so float32 columns give back the same numbers."""
+
+    token_ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
+    top_ids: array = field(default_factory=lambda: array("i"))
+    top_logprobs: array = field(default_factory=lambda: array("f"))
+    top_ends: array = field(default_factory=lambda: array("i"))  # entry i's alternatives end at top_ends[i - 1]
+
+    @classmethod
+    def of(cls, entries: Iterable[TokenLogprob | None]) -> "PromptLogprobs":
+        """From entries whose first is None (vLLM's prompt logprobs, tests)."""
+        columns = cls()
+        for index, entry in enumerate(entries):
+            if (entry is None) != (index == 0):
+                raise ValueError("prompt logprobs: only the first entry is None")
+            if entry is not None:
+                columns.add([entry.token_id], [entry.logprob], [[i for i, _ in entry.top]], [[p for _, p in entry.top]])
+        return columns
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float], top_ids: Sequence[Sequence[int]],
+            top_logprobs: Sequence[Sequence[float]]) -> None:
+        """Entries for the next len(token_ids) prompt tokens, each with its alternatives, most likely first."""
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        for ids, values in zip(top_ids, top_logprobs, strict=True):
+            self.top_ids.extend(ids)
+            self.top_logprobs.extend(values)
+            self.top_ends.append(len(self.top_ids))
+
+    def __len__(self) -> int:
+        return len(self.token_ids) + 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("prompt logprobs index out of range")
+        return None if index == 0 else self._entry(index - 1)
+
+    def __iter__(self) -> Iterator[TokenLogprob | None]:
+        yield None
+        for row in range(len(self.token_ids)):
+            yield self._entry(row)
+
+    def _entry(self, row: int) -> TokenLogprob:
+        start, end = self.top_ends[row - 1] if row else 0, self.top_ends[row]
+        return TokenLogprob(self.token_ids[row], self.logprobs[row],
+                            tuple(zip(self.top_ids[start:end], self.top_logprobs[start:end])))
+
+
 @dataclass(frozen=True)
 class StepTask:
     """One scheduler step: free `finished_ids`, prefill `new_requests`, decode one token for the rest."""
@@ -130,7 +189,7 @@ class StepOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # Only for requests that asked: one entry per new token; the prompt's once, with its first token.
     logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Per sample of a request that started this step: prompt tokens found in the prefix cache, not prefilled.
     cached_tokens: dict[str, int] = field(default_factory=dict)
 

@@ -14,7 +14,7 @@ import time
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestFailed
-from .messages import FinishReason, StepOutput, TokenLogprob
+from .messages import FinishReason, PromptLogprobs, StepOutput, TokenLogprob
 from .outputs import DeltaEvent, RequestOutput, Timings, Usage
 from .preprocess import PreparedRequest
 from .sample_group import SampleGroup
@@ -48,7 +48,7 @@ class RequestState:
         self.eos_token_ids = eos_token_ids
         self.logprobs: list[TokenLogprob] | None = None
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.cached_tokens = 0  # the worker's report: prompt tokens it did not prefill (prefix cache)
         self._unsent_logprobs: list[TokenLogprob] = []  # not yet in a delta
 

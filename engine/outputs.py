@@ -1,7 +1,7 @@
 """What a request gives back: text deltas as they come (DeltaEvent), then one RequestOutput."""
 from dataclasses import dataclass
 
-from .messages import FinishReason, TokenLogprob
+from .messages import FinishReason, PromptLogprobs, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class RequestOutput:
     error_code: str | None = None
     prompt_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token, when the worker sent them
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo: one per prompt token, the first None
+    prompt_logprobs: PromptLogprobs | None = None  # echo: one per prompt token, the first None
     index: int = 0
     samples: tuple["RequestOutput", ...] = ()  # n > 1: the samples returned, best first for best_of
     cumulative_logprob: float = 0.0  # of every generated token, EOS included (best_of ranks by it)

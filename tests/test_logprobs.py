@@ -1,12 +1,15 @@
 """Log-probabilities and parallel samples in the transformers backend: the numbers are the model's own
 (checked against one plain forward), prompt logprobs survive chunked prefill, forked samples equal lone ones."""
+import pickle
+import tracemalloc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig
 from engine.backends.hf import HFBackend
-from engine.messages import NewRequest, WorkerSampling
+from engine.messages import NewRequest, PromptLogprobs, TokenLogprob, WorkerSampling
 
 PROMPT = (1, 17, 300, 42, 9, 5000, 12, 77, 3, 8, 640)
 
@@ -68,6 +71,34 @@ def test_prompt_logprobs_across_chunks(tiny_model_dir, reference, chunk):
         assert entry.token_id == PROMPT[position]
         assert entry.logprob == pytest.approx(expected[position - 1, PROMPT[position]].item(), abs=1e-4)
         assert len(entry.top) == 2
+
+
+def test_prompt_logprobs_cross_the_process_boundary_in_columns(tiny_model_dir):
+    """16 echo requests of 1,700 tokens with 20 alternatives held ~4 MB each as TokenLogprob objects in both processes
+    (the model worker OOM-killed in a 768 MB limit); in columns each entry costs its numbers' bytes."""
+    backend = make_backend(tiny_model_dir, prefill_chunk_tokens=64)
+    prompt = tuple((i * 37) % 1000 + 3 for i in range(300))
+    _, _, prompt_logprobs = run(backend, [NewRequest("e", prompt, WorkerSampling(max_tokens=1, prompt_logprobs=20))], 8)
+    columns = prompt_logprobs["e"]
+    assert isinstance(columns, PromptLogprobs) and len(columns) == len(prompt)
+    assert len(pickle.dumps(columns)) < 299 * (21 * 8 + 4) + 1000  # 4-byte ids and logprobs, and the row ends
+    tracemalloc.start()
+    as_objects = tuple(columns)
+    held_as_objects = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held_as_objects > 10 * len(pickle.dumps(columns))
+    assert PromptLogprobs.of(as_objects) == columns and pickle.loads(pickle.dumps(columns)) == columns
+    assert columns[-1] == as_objects[-1] and columns[1:3] == list(as_objects[1:3]) and columns[0] is None
+    assert [entry.token_id for entry in as_objects[1:]] == list(prompt[1:])
+
+
+def test_prompt_logprobs_refuse_a_gap_other_than_the_first_token():
+    entry = TokenLogprob(3, -0.5, ((3, -0.5),))
+    with pytest.raises(ValueError):
+        PromptLogprobs.of((None, entry, None))
+    with pytest.raises(ValueError):
+        PromptLogprobs.of((entry,))
+    assert len(PromptLogprobs.of((None,))) == 1 and list(PromptLogprobs()) == [None]
 
 
 def test_forked_samples_equal_lone_requests(tiny_model_dir, backend):

@@ -7,7 +7,7 @@ import pytest
 
 from engine import FinishReason, Overloaded
 from engine.engine_core import EngineCore
-from engine.messages import NewRequest, StepOutput, StepResult, TokenLogprob, WorkerSampling
+from engine.messages import NewRequest, PromptLogprobs, StepOutput, StepResult, TokenLogprob, WorkerSampling
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sample_group import SampleGroup
@@ -117,6 +117,6 @@ def test_best_of_returns_the_n_most_likely_samples_best_first():
 
 def test_new_messages_survive_pickling():
     result = StepResult(1, StepOutput({"r": (5,)}, logprobs={"r": (TokenLogprob(5, -0.25, ((5, -0.25), (7, -2.0))),)},
-                                      prompt_logprobs={"r": (None, TokenLogprob(3, -1.5))}))
+                                      prompt_logprobs={"r": PromptLogprobs.of((None, TokenLogprob(3, -1.5, ((3, -1.5),))))}))
     request = NewRequest("g", (1, 2), WorkerSampling(logit_bias=((3, 1.0),), logprobs=2), ("g#0", "g#1"))
     assert pickle.loads(pickle.dumps(result)) == result and pickle.loads(pickle.dumps(request)) == request

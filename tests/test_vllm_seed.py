@@ -7,7 +7,7 @@ worker down. One engine serves the module (a vLLM start costs about a minute her
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.messages import FinishReason
+from engine.messages import FinishReason, PromptLogprobs
 
 LONG_PROMPT = "word " * 200  # over 64 tokens (LOCKSTEP_VLLM_CPU_BATCHED_TOKENS): prefilled in several steps
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
@@ -56,3 +56,14 @@ def test_seeded_samples_of_a_long_prompt(engine):
     assert first.error is None and len(first.choices) == 2
     assert [c.output_token_ids for c in first.choices] == [c.output_token_ids for c in second.choices]
     assert engine.executor.pid == pid
+
+
+def test_echo_over_a_prompt_fed_in_several_steps_gives_every_prompt_tokens_logprobs(engine):
+    output = engine.submit(LONG_PROMPT, SamplingParams(max_tokens=1, logprobs=3, echo=True)).result(300)
+    entries = output.prompt_logprobs
+    assert output.error is None and isinstance(entries, PromptLogprobs)
+    assert len(entries) == len(output.prompt_token_ids) > 64 and entries[0] is None
+    for token_id, entry in zip(output.prompt_token_ids[1:], entries[1:]):
+        tops = [logprob for _, logprob in entry.top]
+        assert entry.token_id == token_id and len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.logprob <= tops[0] <= 0.0

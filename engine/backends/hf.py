@@ -28,7 +28,7 @@ from ..config import EngineConfig
 from ..errors import describe
 from ..hardware import choose_dtype, detect_host, memory_headroom, torch_threads
 from ..memory import release_freed_memory
-from ..messages import ModelInfo, NewRequest, StepOutput, TokenLogprob, WorkerSampling, eos_ids
+from ..messages import ModelInfo, NewRequest, PromptLogprobs, StepOutput, WorkerSampling, eos_ids
 from ..model_store import gguf_of, gguf_tensors_copy
 from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
@@ -37,7 +37,7 @@ from .fast_forward import FastDecoder
 from .kv_cache import SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
 from .q4 import Q4Kernels, Q4Weights, empty_float32_model, load_q4_kernels
-from .sampler import TokenSampler, prompt_logprobs, samplers_for
+from .sampler import TokenSampler, add_prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Prefill:
     samplers: dict[str, TokenSampler]  # sample id -> its sampler
     cache: DynamicCache
     num_computed: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo: gathered chunk by chunk
+    prompt_logprobs: PromptLogprobs | None = None  # echo: gathered chunk by chunk
 
     @property
     def num_left(self) -> int:
@@ -305,7 +305,7 @@ class HFBackend(Backend):
         except REQUEST_ERRORS as exc:
             output.failed.update(dict.fromkeys(request.all_sample_ids, describe(exc)))
             return
-        echo = [None] if request.sampling.prompt_logprobs is not None else None  # the first token has none
+        echo = PromptLogprobs() if request.sampling.prompt_logprobs is not None else None
         cache = self.fast_decoder.new_prompt_cache(len(request.prompt_token_ids)) if self.fast_decoder is not None \
             else DynamicCache()
         prefill = Prefill(request, samplers, cache, prompt_logprobs=echo)
@@ -436,7 +436,7 @@ class HFBackend(Backend):
             if (entry := sampler.accept(token_id)) is not None:
                 output.logprobs[sample_id] = (entry,)
             if prefill.prompt_logprobs is not None:
-                output.prompt_logprobs[sample_id] = tuple(prefill.prompt_logprobs)
+                output.prompt_logprobs[sample_id] = prefill.prompt_logprobs
             rows.append(Row(sample_id, sampler, prefill.num_computed, token_id,
                             [*prefill.request.prompt_token_ids, token_id], prefill.request.cache_salt))
         if rows and prefill.request.sampling.max_tokens > 1:  # else they are done: no need to pad the batch to them
@@ -492,7 +492,7 @@ class HFBackend(Backend):
         if echo:  # logits: [1, C, V]; position i predicts prompt token i + 1
             request = prefill.request
             next_token_ids = list(request.prompt_token_ids[start + 1:end + 1])
-            prefill.prompt_logprobs += prompt_logprobs(logits[0], next_token_ids, request.sampling.prompt_logprobs)
+            add_prompt_logprobs(prefill.prompt_logprobs, logits[0], next_token_ids, request.sampling.prompt_logprobs)
             return logits[0, -1]
         return logits[0]
 

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from ..messages import NewRequest, TokenLogprob, WorkerSampling
+from ..messages import NewRequest, PromptLogprobs, TokenLogprob, WorkerSampling
 from .constrained import GrammarCompiler, constraint_for
 
 NUCLEUS_CANDIDATES = 256  # on CPU, top_p first looks for the nucleus among this many most likely tokens
@@ -97,15 +97,15 @@ def to_entries(token_ids: list[int], chosen: list[float], top_values: list[list[
             for token_id, logprob, values, ids in zip(token_ids, chosen, top_values, top_ids)]
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """The logprob of each prompt token given those before it. logits: [C, V] of positions whose next
-    tokens are `next_token_ids` (C or C - 1 of them: the last position of a prompt predicts no prompt token)."""
+def add_prompt_logprobs(columns: PromptLogprobs, logits: torch.Tensor, next_token_ids: list[int], k: int) -> None:
+    """The logprob of each prompt token given those before it, into `columns`. logits: [C, V] of positions whose
+    next tokens are `next_token_ids` (C or C - 1 of them: the last position of a prompt predicts no prompt token)."""
     num = len(next_token_ids)
     if num == 0:
-        return []
+        return
     targets = torch.tensor(next_token_ids, device=logits.device)
     chosen, values, ids = token_logprobs(logits[:num], targets, k)
-    return to_entries(next_token_ids, chosen.tolist(), values.tolist(), ids.tolist())
+    columns.add(next_token_ids, chosen.tolist(), ids.tolist(), values.tolist())
 
 
 # -- one request's sampler -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from ..errors import describe
-from ..messages import ModelInfo, eos_ids, NewRequest, StepOutput, TokenLogprob, WorkerSampling
+from ..messages import ModelInfo, eos_ids, NewRequest, PromptLogprobs, StepOutput, TokenLogprob, WorkerSampling
 from .base import Backend, resolve_device
 from .vllm_patches import allocate_pipeline_buffers, forget_web_context_proxies, undo_dropped_draws_on_cpu
 
@@ -112,7 +112,7 @@ class VLLMBackend(Backend):
             step.logprobs[request_id] = tuple(_entry(token_id, logprobs, sampling.logprobs)
                                               for token_id, logprobs in zip(sample.token_ids, sample.logprobs))
         if request_id in self.prompt_logprobs:
-            step.prompt_logprobs[request_id] = tuple(
+            step.prompt_logprobs[request_id] = PromptLogprobs.of(
                 None if logprobs is None else _entry(token_id, logprobs, sampling.prompt_logprobs)
                 for token_id, logprobs in zip(output.prompt_token_ids, self.prompt_logprobs.pop(request_id)))
 
