@@ -10,7 +10,7 @@ from .engine import LLMEngine, RequestHandle
 from .errors import (BackendUnavailable, CorrelationMismatch, DeadlineExceeded, EngineError, InvalidRequest, NotReady,
                      Overloaded, PromptTooLong, RequestFailed, WorkerBusy, WorkerFailed)
 from .inputs import check_encodable
-from .messages import FinishReason, TokenLogprob
+from .messages import FinishReason, PromptLogprobs, TokenLogprob
 from .model_store import ModelNotFound
 from .output_processor import RequestObserver
 from .outputs import DeltaEvent, RequestOutput, Usage
@@ -22,6 +22,7 @@ from .sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX
 __all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "DeltaEvent", "EngineConfig",
            "EngineError", "FinishReason", "InvalidRequest", "LLMEngine", "MAX_CACHE_SALT_CHARS", "MAX_LOGIT_BIAS",
            "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
-           "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptTooLong", "REPETITION_PENALTY_RANGE",
+           "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptLogprobs", "PromptTooLong",
+           "REPETITION_PENALTY_RANGE",
            "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput", "SamplingParams", "TokenLogprob",
            "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed", "check_encodable", "dataclass_from_env"]

@@ -71,12 +71,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(eq=True)
-class PromptLogprobs(Sequence):
+@dataclass(frozen=True, eq=False)
+class PromptLogprobs(Sequence[TokenLogprob | None]):
     """Echo's logprobs of a whole prompt, kept in columns: entry 0 is None (nothing predicts the first token), entry
-    i the TokenLogprob of prompt token i. As TokenLogprob objects a 1,700-token prompt with 20 alternatives held ~4 MB
-    in each process (16 such requests got the model worker OOM-killed in a 768 MB limit); as arrays ~0.3 MB. Both
-    backends compute logprobs in float32, so float32 columns give back the same numbers."""
+    i the TokenLogprob of prompt token i. As TokenLogprob objects a 1,500-token prompt with 20 alternatives held
+    ~4 MB in each process (16 such requests got the model worker OOM-killed in a 768 MB limit); in columns ~0.3 MB.
+    Values are stored as float32: both backends compute logprobs in float32, so they come back as the same numbers.
+    The worker fills it chunk by chunk (`add`) and sends it once the prompt is done; nothing changes it after."""
 
     token_ids: array = field(default_factory=lambda: array("i"))
     logprobs: array = field(default_factory=lambda: array("f"))
@@ -86,7 +87,8 @@ class PromptLogprobs(Sequence):
 
     @classmethod
     def of(cls, entries: Iterable[TokenLogprob | None]) -> "PromptLogprobs":
-        """From entries whose first is None (vLLM's prompt logprobs, tests)."""
+        """From entries whose first is None (vLLM's prompt logprobs: vLLM computes them without its prefix cache, so
+        only the first position lacks one; tests). Logprobs are rounded to float32."""
         columns = cls()
         for index, entry in enumerate(entries):
             if (entry is None) != (index == 0):
@@ -98,6 +100,8 @@ class PromptLogprobs(Sequence):
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float], top_ids: Sequence[Sequence[int]],
             top_logprobs: Sequence[Sequence[float]]) -> None:
         """Entries for the next len(token_ids) prompt tokens, each with its alternatives, most likely first."""
+        if not len(token_ids) == len(logprobs) == len(top_ids) == len(top_logprobs):
+            raise ValueError("prompt logprobs: one logprob and one row of alternatives per token")
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
         for ids, values in zip(top_ids, top_logprobs, strict=True):
@@ -105,10 +109,21 @@ class PromptLogprobs(Sequence):
             self.top_logprobs.extend(values)
             self.top_ends.append(len(self.top_ids))
 
+    def __eq__(self, other) -> bool:
+        """Equal to another PromptLogprobs with the same columns, or to any sequence of the same entries."""
+        if isinstance(other, PromptLogprobs):
+            return (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs, self.top_ends) == \
+                (other.token_ids, other.logprobs, other.top_ids, other.top_logprobs, other.top_ends)
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # its columns grow while the worker fills it
+
     def __len__(self) -> int:
         return len(self.token_ids) + 1
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice) -> "TokenLogprob | None | list[TokenLogprob | None]":
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:

@@ -74,7 +74,7 @@ def test_prompt_logprobs_across_chunks(tiny_model_dir, reference, chunk):
 
 
 def test_prompt_logprobs_cross_the_process_boundary_in_columns(tiny_model_dir):
-    """16 echo requests of 1,700 tokens with 20 alternatives held ~4 MB each as TokenLogprob objects in both processes
+    """16 echo requests of 1,500 tokens with 20 alternatives held ~4 MB each as TokenLogprob objects in both processes
     (the model worker OOM-killed in a 768 MB limit); in columns each entry costs its numbers' bytes."""
     backend = make_backend(tiny_model_dir, prefill_chunk_tokens=64)
     prompt = tuple((i * 37) % 1000 + 3 for i in range(300))
@@ -99,6 +99,10 @@ def test_prompt_logprobs_refuse_a_gap_other_than_the_first_token():
     with pytest.raises(ValueError):
         PromptLogprobs.of((entry,))
     assert len(PromptLogprobs.of((None,))) == 1 and list(PromptLogprobs()) == [None]
+    with pytest.raises(ValueError):
+        PromptLogprobs().add([3, 4], [-0.5], [[3]], [[-0.5]])
+    columns = PromptLogprobs.of((None, entry))
+    assert columns == (None, entry) and columns == [None, entry] and columns != (None,) and columns != "ab"
 
 
 def test_forked_samples_equal_lone_requests(tiny_model_dir, backend):
