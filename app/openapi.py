@@ -221,7 +221,8 @@ def _schemas(state: AppState) -> dict:
         "GenerateRequest": _request({"prompts": {"type": "array", "items": _TEXT, "minItems": 1,
                                                  "maxItems": state.settings.max_prompts}},
                                     no_echo, required=["prompts"]),
-        "CompletionRequest": _request({"prompt": _completion_prompt(state.settings.max_prompts)},
+        "CompletionRequest": _request({"prompt": _completion_prompt(state.settings.max_prompts),
+                                       "max_tokens": _nullable(_max_tokens(echo=True))},
                                       sampling | _openai_common(), required=["prompt"]),
         "ChatRequest": _request({"messages": _ref("Messages"), "max_completion_tokens": _nullable(_max_tokens())},
                                 no_echo | _openai_common(), required=["messages"]),
@@ -360,7 +361,10 @@ def _openai_envelope(obj: str, choice: dict) -> dict:
                     "choices": {"type": "array", "minItems": 1, "items": choice}, "usage": _ref("Usage")})
 
 
-def _max_tokens() -> dict:
+def _max_tokens(echo: bool = False) -> dict:
+    if echo:
+        return {"type": "integer", "minimum": 0, "description": "At most the model's context length; 0 only with echo "
+                "(the prompt and its logprobs, nothing generated)"}
     return {"type": "integer", "minimum": 1, "description": "At most the model's context length"}
 
 

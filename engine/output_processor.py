@@ -41,8 +41,9 @@ class RequestState:
     """One sequence's output side: its text so far, its logprobs, and where its events go."""
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, sink: "queue.Queue",
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), prompt_only: bool = False):
         self.seq = seq
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the token that ends the prompt's pass is dropped
         self.detokenizer = detokenizer
         self.sink = sink
         self.eos_token_ids = eos_token_ids
@@ -134,7 +135,7 @@ class OutputProcessor:
             sink = SampleGroup(prepared.request_id, prepared.sampling.n, sink, seqs)
         return [RequestState(seq, IncrementalDetokenizer(self.tokenizer, prepared.sampling.stop,
                                                          prepared.worker_sampling.min_tokens),
-                             sink, prepared.eos_token_ids) for seq in seqs]
+                             sink, prepared.eos_token_ids, prepared.sampling.is_prompt_only) for seq in seqs]
 
     def add(self, states: list[RequestState]) -> None:
         self._states.update((state.seq, state) for state in states)
@@ -177,6 +178,8 @@ class OutputProcessor:
 
     def _append_tokens(self, state: RequestState, token_ids: tuple[int, ...], now: float,
                        logprobs: tuple = ()) -> FinishReason | None:
+        if state.prompt_only:
+            return FinishReason.LENGTH if token_ids else None
         for position, token_id in enumerate(token_ids):
             self.observer.on_token(state.seq, now, state.seq.last_token_time)
             reason = state.append_token(token_id, now, logprobs[position] if position < len(logprobs) else None)

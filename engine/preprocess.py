@@ -114,7 +114,9 @@ class RequestPreprocessor:
         if room < 1:
             raise PromptTooLong(f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} "
                                 "tokens and at least one must be left to generate", "prompt")
-        return min(sampling.max_tokens or self.config.default_max_tokens, room)
+        if sampling.max_tokens is None:
+            return min(self.config.default_max_tokens, room)
+        return min(max(sampling.max_tokens, 1), room)  # prompt only: the worker's pass over it ends in one token
 
     def _timeout(self, timeout_s: float | None) -> float:
         if timeout_s is None:

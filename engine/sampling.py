@@ -80,8 +80,9 @@ class SamplingParams:
         return params
 
     def validate(self, max_stop_strings: int = 8) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo: the prompt and its logprobs, no "
+                                 "answer)", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0 or math.isnan(self.temperature):
             raise InvalidRequest("temperature must be between 0 and 100", "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -135,6 +136,11 @@ class SamplingParams:
         if outside is not None:
             raise InvalidRequest(f"logit_bias names token {outside}, outside the vocabulary (ids 0 to "
                                  f"{vocab_size - 1})", "logit_bias")
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's way to score a text): the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def for_worker(self, max_tokens: int, stop_token_ids: tuple[int, ...] = ()) -> WorkerSampling:
         """Normalised for the worker: a tiny temperature or top_p means greedy. `stop_token_ids` (the EOS set)

@@ -124,3 +124,21 @@ def test_bad_values_are_400_naming_the_field(sdk_server, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
         sdk(sdk_server).chat.completions.create(model="m", messages=QUESTION, max_tokens=3, **fields)
     assert refused.value.body["param"] == param
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(sdk_server):
+    """OpenAI's way to score a text: nothing generated, the prompt's logprobs those of a one-token answer."""
+    prompt = CAPITAL + " Paris."
+    scored = sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=0, logprobs=2, echo=True)
+    answered = sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                                  echo=True)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and len(logprobs.tokens) == scored.usage.prompt_tokens
+    assert "".join(logprobs.tokens) == prompt and logprobs.token_logprobs[0] is None
+    expected = answered.choices[0].logprobs
+    assert logprobs.token_logprobs == expected.token_logprobs[:-1]
+    assert logprobs.top_logprobs == expected.top_logprobs[:-1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
