@@ -178,7 +178,7 @@ class OutputProcessor:
 
     def _append_tokens(self, state: RequestState, token_ids: tuple[int, ...], now: float,
                        logprobs: tuple = ()) -> FinishReason | None:
-        if state.prompt_only:
+        if state.prompt_only:  # no token to time either: it stays out of the TTFT histogram
             return FinishReason.LENGTH if token_ids else None
         for position, token_id in enumerate(token_ids):
             self.observer.on_token(state.seq, now, state.seq.last_token_time)

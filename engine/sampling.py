@@ -49,8 +49,8 @@ class SamplingParams:
 
     @property
     def num_samples(self) -> int:
-        """How many samples the worker generates for this request."""
-        return self.best_of or self.n
+        """How many samples the worker generates for this request (prompt only: n, as nothing is there to rank)."""
+        return self.n if self.is_prompt_only else self.best_of or self.n
 
     @classmethod
     def from_request(cls, body: dict, max_stop_strings: int = 8,
@@ -81,8 +81,8 @@ class SamplingParams:
 
     def validate(self, max_stop_strings: int = 8) -> None:
         if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
-            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo: the prompt and its logprobs, no "
-                                 "answer)", "max_tokens")
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo on /v1/completions: the prompt "
+                                 "alone, nothing generated)", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0 or math.isnan(self.temperature):
             raise InvalidRequest("temperature must be between 0 and 100", "temperature")
         if not 0.0 < self.top_p <= 1.0:

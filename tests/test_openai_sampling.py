@@ -139,6 +139,8 @@ def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_alone(sdk_serv
     expected = answered.choices[0].logprobs
     assert logprobs.token_logprobs == expected.token_logprobs[:-1]
     assert logprobs.top_logprobs == expected.top_logprobs[:-1]
+    samples = sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, n=2, best_of=3)
+    assert [choice.text for choice in samples.choices] == [prompt, prompt] and samples.usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError) as refused:
         sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=0)
     assert refused.value.body["param"] == "max_tokens"

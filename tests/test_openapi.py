@@ -129,6 +129,8 @@ def _bound_the_work(body) -> None:
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if _is_int(body.get(name)) and body[name] > SMALL_MAX_TOKENS:
             body[name] = SMALL_MAX_TOKENS
+    if body.get("max_tokens") == 0 and body.get("echo") is not True:  # 0 is for echo alone: spend the case on work
+        body["max_tokens"] = 1
     if not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & set(body):
         body["max_output_tokens" if "input" in body else "max_tokens"] = SMALL_MAX_TOKENS
     for name in ("n", "best_of"):

@@ -22,6 +22,18 @@ def test_bad_sampling_fields_name_the_field(body, param):
     assert info.value.param == param
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": -1, "echo": True}, "max_tokens"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+])
+def test_max_tokens_0_is_for_echo_alone(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.from_request(body)
+    assert info.value.param == param
+    prompt_only = SamplingParams.from_request({"max_tokens": 0, "echo": True, "n": 2, "best_of": 3, "logprobs": 1})
+    assert prompt_only.is_prompt_only and prompt_only.num_samples == 2  # nothing generated: nothing to rank
+
+
 def test_good_sampling_fields():
     params = SamplingParams.from_request({"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 40,
                                           "stop": "\n", "seed": 3})
