@@ -133,19 +133,24 @@ def checked_fields(body: dict, shape: RequestShape) -> dict:
     return _resolve_aliases(body, shape)
 
 
+def _is_null_or_false(value) -> bool:
+    """By identity: 0 and 0.0 equal False in Python but are not JSON's false."""
+    return value is None or value is False
+
+
 def _check_field(name: str, value, shape: RequestShape) -> None:
     if shape.is_openai and name in shape.not_implemented:
         if value is None or any(value == used and type(value) is type(used) for used in shape.not_used.get(name, ())):
             return
         raise unsupported_field(name, shape.not_implemented[name])
     if name in SERVED_ELSEWHERE and not shape.accepts(name):
-        if value is None or value is False:
+        if _is_null_or_false(value):
             return
         raise unsupported_field(name, SERVED_ELSEWHERE[name])
     if not shape.accepts(name):
         shown = shown_name(name)
         raise unsupported_field(shown, f"unknown field {shown!r}: {shape.name} does not read it")
-    if name == "stream" and value not in (None, False):
+    if name == "stream" and not _is_null_or_false(value):
         if value is not True:
             raise invalid_value("stream", "stream must be true or false")
         raise unsupported_field("stream", shape.stream_hint)
@@ -153,7 +158,7 @@ def _check_field(name: str, value, shape: RequestShape) -> None:
         raise invalid_value(name, f"{name} must be a string")
     if name == "metadata":
         metadata_field(value)
-    if name == "store" and value not in (None, False) and not shape.keeps_responses:
+    if name == "store" and not _is_null_or_false(value) and not shape.keeps_responses:
         raise unsupported_field("store", "store is not supported: this server keeps no completions (send false)")
 
 

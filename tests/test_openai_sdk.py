@@ -94,6 +94,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("chat", {"modalities": ["text", "audio"]}, "unsupported_field", "modalities"),
     ("chat", {"stream_options": {"include_usage": True}}, "unsupported_field", "stream_options"),
     ("chat", {"store": True}, "unsupported_field", "store"),
+    ("chat", {"store": 0.0}, "unsupported_field", "store"),  # equal to False in Python, not JSON's false
+    ("completions", {"stream": 0}, "invalid_value", "stream"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "invalid_value", "max_completion_tokens"),
     ("chat", {"max_completion_tokens": 0}, "invalid_value", "max_completion_tokens"),
     ("chat", {"extra_body": {"max_completion_tokens": 2.5}}, "invalid_value", "max_completion_tokens"),
