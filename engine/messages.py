@@ -104,7 +104,7 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
             raise ValueError("prompt logprobs: one logprob and one row of alternatives per token")
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
-        for ids, values in zip(top_ids, top_logprobs, strict=True):
+        for ids, values in zip(top_ids, top_logprobs):
             self.top_ids.extend(ids)
             self.top_logprobs.extend(values)
             self.top_ends.append(len(self.top_ids))
