@@ -60,6 +60,16 @@ def test_models_tokenize_health_ready(server):
     assert http("GET", server.url + "/ready")[2]["status"] == "ready"
 
 
+def test_max_tokens_past_what_the_prompt_leaves_is_shortened_to_the_context(server):
+    prompt = "word " * 200
+    _, _, tokens = post(server, "/tokenize", {"prompt": prompt})
+    left = 256 - tokens["count"]  # the tiny model's context
+    assert 0 < left < 200
+    status, _, body = post(server, "/basic_generate", {"prompt": prompt, "max_tokens": 200, "ignore_eos": True})
+    assert status == 200 and body["finish_reason"] == "length"
+    assert body["usage"] == {**body["usage"], "prompt_tokens": tokens["count"], "completion_tokens": left}
+
+
 def test_metrics_after_traffic(server):
     post(server, "/basic_generate", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
     _, _, text = http("GET", server.url + "/metrics")
