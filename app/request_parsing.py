@@ -5,6 +5,7 @@ it), so that no field is silently ignored. OpenAI's optional fields count as abs
 """
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 
 from flask import current_app, request
@@ -101,6 +102,7 @@ def read_json_body(shape: RequestShape | None = None) -> dict:
     if len(raw) >= current_app.config["MAX_CONTENT_LENGTH"]:
         raise ApiError(413, "the request body is too large", "request_entity_too_large")
     body = parse_json_object(raw)
+    refuse_lone_surrogates(body, raw)
     return body if shape is None else checked_fields(body, shape)
 
 
@@ -118,6 +120,40 @@ def parse_json_object(raw: bytes | str) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", "invalid_json")
     return body
+
+
+# How a surrogate gets past a strict UTF-8 decode: only as an escape (a JSON frame is str, a body bytes).
+_SURROGATE_ESCAPE = {str: re.compile(r"\\u[dD][89a-fA-F]"), bytes: re.compile(rb"\\u[dD][89a-fA-F]")}
+
+
+def refuse_lone_surrogates(body: dict, raw: bytes | str) -> None:
+    """JSON's "\\ud800" decodes to a lone surrogate, which no UTF-8 codec takes (a tokenizer, the prefix cache's
+    hash, a strict client reading it echoed back): refused for every field's value, nested ones included, so none
+    reaches the engine. A field's name is left to the field checks (an unknown name is refused there)."""
+    if not _SURROGATE_ESCAPE[type(raw)].search(raw):
+        return
+    for name, value in body.items():
+        pending, shown = [value], shown_name(name)
+        while pending:  # a loop, not recursion: the parser allows deeper nesting than the stack left here
+            item = pending.pop()
+            if isinstance(item, str):
+                check_encodable(item, shown)
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+
+
+def echoable(value, max_length: int) -> str | None:
+    """A client's id fit to send back in an error frame: a string of at most `max_length` valid characters."""
+    if not isinstance(value, str) or len(value) > max_length:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return None
+    return value
 
 
 # -- which fields ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from engine import DeltaEvent, EngineError, FinishReason, RequestOutput
 
 from .errors import INVALID_VALUE, ApiError, invalid_value, unsupported_field
-from .request_parsing import checked_fields, shown_name
+from .request_parsing import checked_fields, echoable, shown_name
 from .response_store import ResponseStore, StoredResponse
 from .responses import (RESPONSES, Turn, in_progress_object, output_message, output_text_part, parse_turn, remember,
                         response_object)
@@ -80,8 +80,7 @@ class ResponsesSession(SocketSession):
     # -- the protocol's hooks -------------------------------------------------------------------------------
 
     def reference_of(self, message: dict):
-        lane = message.get("stream_id")
-        return lane if isinstance(lane, str) and len(lane) <= MAX_LANE_LENGTH else None
+        return echoable(message.get("stream_id"), MAX_LANE_LENGTH)
 
     def error_frame(self, lane, error: ApiError) -> dict:
         frame = {"type": "error", "status": error.status, "error": {

@@ -21,7 +21,7 @@ from wsproto.frame_protocol import CloseReason
 from engine import EngineError
 
 from .errors import INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE, ApiError, from_engine_error
-from .request_parsing import parse_json_object
+from .request_parsing import parse_json_object, refuse_lone_surrogates
 from .socket_transport import SocketTransport
 from .state import AppState
 
@@ -179,6 +179,7 @@ class SocketSession:
         try:
             message = parse_json_object(data)
             reference = self.reference_of(message)
+            refuse_lone_surrogates(message, data)
             if not self.is_authenticated:
                 self.authenticate(message)
                 return

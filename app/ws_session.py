@@ -16,7 +16,7 @@ from .answer_shaping import chat_logprob_content
 from .errors import (AUTH_REQUIRED, INVALID_API_KEY, INVALID_VALUE, ApiError, from_failed_output, invalid_value,
                      missing_field, ws_error)
 from .guards import keys_match
-from .request_parsing import WS_GENERATE, checked_fields, messages_field, prompt_field, sampling_fields
+from .request_parsing import WS_GENERATE, checked_fields, echoable, messages_field, prompt_field, sampling_fields
 from .socket_session import SessionClosing, SocketSession
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class ChatSession(SocketSession):
     streams: dict[str, ChatStream]
 
     def reference_of(self, message: dict):
-        return _printable_id(message.get("id"))
+        return echoable(message.get("id"), MAX_ID_LENGTH)
 
     def error_frame(self, reference, error: ApiError) -> dict:
         return ws_error(reference, error)
@@ -154,5 +154,3 @@ def _client_id(message: dict) -> str:
     return client_id
 
 
-def _printable_id(client_id):
-    return client_id if isinstance(client_id, str) and len(client_id) <= MAX_ID_LENGTH else None

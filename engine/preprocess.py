@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import InvalidRequest, PromptTooLong
-from .inputs import InputProcessor
+from .inputs import InputProcessor, check_encodable
 from .messages import ModelInfo, WorkerSampling, eos_ids
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -144,3 +144,5 @@ def check_cache_salt(salt) -> None:
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
         raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                              "cache_salt")
+    if salt is not None:
+        check_encodable(salt, "cache_salt")  # the worker hashes its UTF-8 bytes

@@ -30,10 +30,31 @@ def post_raw(server, path, raw: str):
     ("/v1/completions", f'{{"prompt": "{LONE_SURROGATE}"}}', "prompt"),
     ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "{LONE_SURROGATE}"}}]}}', "messages"),
     ("/tokenize", f'{{"messages": [{{"role": "user", "content": "\\udfff"}}]}}', "messages"),
+    # Fields that never reach a tokenizer: the salt is hashed in the model worker (it once crashed the worker and
+    # every request beside it), the others are echoed back or matched as text.
+    ("/v1/completions", f'{{"prompt": "Hi", "max_tokens": 2, "cache_salt": "{LONE_SURROGATE}"}}', "cache_salt"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "Hi"}}], "cache_salt": "\\udc00\\ud800"}}',
+     "cache_salt"),
+    ("/basic_generate", f'{{"prompt": "Hi", "cache_salt": "a{LONE_SURROGATE}"}}', "cache_salt"),
+    ("/v1/responses", f'{{"input": "Hi", "cache_salt": "{LONE_SURROGATE}"}}', "cache_salt"),
+    ("/v1/completions", f'{{"prompt": "Hi", "stop": ["x", "{LONE_SURROGATE}"]}}', "stop"),
+    ("/v1/completions", f'{{"prompt": "Hi", "model": "{LONE_SURROGATE}"}}', "model"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "Hi"}}], "user": "{LONE_SURROGATE}"}}',
+     "user"),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "Hi", "name": "{LONE_SURROGATE}"}}]}}',
+     "messages"),
 ])
 def test_lone_surrogates_are_a_4xx_naming_the_field(server, path, raw, param):
+    worker = server.state.engine.executor.pid
     status, _, body = post_raw(server, path, raw)
     assert status == 400 and body["error"]["param"] == param and "surrogate" in body["error"]["message"]
+    assert body["error"]["code"] == "invalid_value" and server.state.engine.executor.pid == worker
+
+
+def test_a_valid_surrogate_pair_is_text(server):
+    status, _, body = post_raw(server, "/v1/completions", '{"prompt": "Hi \\ud83d\\ude00", "max_tokens": 1, '
+                                                          '"cache_salt": "\\ud83d\\ude00", "stop": ["\\ud83d\\ude00"]}')
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 
 def test_a_prompt_over_the_character_bound_is_context_length_exceeded(server):
@@ -54,9 +75,13 @@ def test_a_lone_surrogate_frame_is_an_error_and_the_socket_stays_usable(server):
     try:
         client.send(f'{{"type": "generate", "id": "a", "prompt": "{LONE_SURROGATE}"}}')
         client.send(f'{{"type": "generate", "id": "b", "messages": [{{"role": "user", "content": "x{LONE_SURROGATE}"}}]}}')
-        errors = [client.recv(), client.recv()]
-        assert [(e["type"], e["id"], e["code"]) for e in errors] == [("error", "a", "invalid_value"),
-                                                                     ("error", "b", "invalid_value")]
+        client.send(f'{{"type": "generate", "id": "s", "prompt": "Hi", "cache_salt": "{LONE_SURROGATE}"}}')
+        client.send(f'{{"type": "generate", "id": "{LONE_SURROGATE}", "prompt": "Hi"}}')
+        errors = [client.recv() for _ in range(4)]
+        assert [(e["type"], e["id"], e["code"], e["param"]) for e in errors] == [
+            ("error", "a", "invalid_value", "prompt"), ("error", "b", "invalid_value", "messages"),
+            ("error", "s", "invalid_value", "cache_salt"),
+            ("error", None, "invalid_value", "id")]  # an id that is not text is not sent back
         client.generate("c", prompt="Hello", max_tokens=3, ignore_eos=True)
         assert client.collect(["c"])["c"]["final"]["usage"]["completion_tokens"] == 3
     finally:

@@ -81,7 +81,7 @@ def test_different_salts_never_share_and_the_same_salt_does(engines):
     assert cached.submit(prompt, GREEDY, cache_salt="bob").result(timeout=600).usage.cached_tokens == 0
     assert cached.submit(prompt, GREEDY).result(timeout=600).usage.cached_tokens == 0  # no salt is a salt too
     assert cached.submit(prompt, GREEDY, cache_salt="alice").result(timeout=600).usage.cached_tokens > 0
-    for bad in ("", "x" * 2000, 7):
+    for bad in ("", "x" * 2000, 7, "\ud800", "ok\udc00"):  # a lone surrogate has no UTF-8 to hash
         with pytest.raises(InvalidRequest):
             cached.submit(prompt, GREEDY, cache_salt=bad)
 
