@@ -74,7 +74,10 @@ def post_worker_init(worker):
 
 def _stop_when_idle(state, gunicorn_stop, signum):
     if not state.engine.wait_idle(state.settings.drain_timeout_s):
-        logging.getLogger("lockstep.drain").warning("drain timeout: stopping with requests still running")
+        # Ended here, each with an error its client reads (503 shutting_down), so that their sockets close
+        # cleanly before gunicorn's graceful timeout would cut them off mid-stream.
+        logging.getLogger("lockstep.drain").warning("drain timeout: ending the requests still running")
+        state.engine.shutdown()
     gunicorn_stop(signum, None)
 
 

@@ -6,7 +6,7 @@ from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
 
 from engine import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
-                    RequestFailed, WorkerBusy, WorkerFailed)
+                    RequestFailed, ShuttingDown, WorkerBusy, WorkerFailed)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ _VALIDATION_CODES = {"invalid_request": INVALID_VALUE}
 _STATUS = [
     (InvalidRequest, 400, "invalid_request_error"),
     (Overloaded, 429, "rate_limit_error"),
+    (ShuttingDown, 503, "server_error"),
     (NotReady, 503, "server_error"),
     (WorkerFailed, 503, "server_error"),
     (WorkerBusy, 503, "server_error"),
@@ -92,10 +93,8 @@ def error_response(error: ApiError):
 
 
 def ws_error(client_id, error: ApiError) -> dict:
-    frame = {"type": "error", "id": client_id, "code": error.code, "message": error.message}
-    if error.param is not None:  # the field at fault, as REST's `param`
-        frame["param"] = error.param
-    return frame
+    # `param`: the field at fault, null when none is, as REST's error and the Responses socket's
+    return {"type": "error", "id": client_id, "code": error.code, "message": error.message, "param": error.param}
 
 
 def register_error_handlers(app) -> None:

@@ -5,14 +5,19 @@ thread reads the request, so a client that trickles its headers or body would ho
 thread as long as it likes. Here every read of a request goes through a deadline: headers
 must arrive within LOCKSTEP_HEADER_TIMEOUT_S of the first byte, a body within
 LOCKSTEP_BODY_TIMEOUT_S of the headers (408 otherwise). The replies gunicorn writes itself
-(400, 408, 414, 431, ...) are JSON in the API's error shape instead of HTML.
+(400, 408, 414, 431, ...) are JSON in the API's error shape instead of HTML. A finished connection is closed
+off the worker's event loop (LingeringCloser).
 """
+import functools
 import json
 import logging
+import queue
+import selectors
 import socket
+import threading
 import time
 
-from gunicorn import http
+from gunicorn import http, util
 from gunicorn.workers.gthread import ThreadWorker
 from werkzeug.exceptions import RequestTimeout
 
@@ -60,15 +65,114 @@ class DeadlineReader:
         self.sock.settimeout(value)
 
 
+LINGER_S = 2.0  # as gunicorn's own close_graceful
+LINGER_MAX_BYTES = 1 << 16
+MAX_LINGERING = 1024  # connections waited on at once; past that one is closed at once
+
+
+class LingeringCloser:
+    """Closes finished connections as RFC 9112 section 9.6 asks and gunicorn's close_graceful does: send FIN,
+    then read until the client closes (at most LINGER_S or LINGER_MAX_BYTES), so unread bytes never turn into a
+    reset that destroys the reply before the client reads it. gunicorn (25 on) waits so on its event loop, one
+    connection after another: 5 clients that read a `Connection: close` reply and kept their end open froze every
+    new connection for 10 s (/health and /ready included). Here one thread waits on all of them at once."""
+
+    def __init__(self):
+        self._handoff: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        self._deadlines: dict[socket.socket, float] = {}
+        self._drained: dict[socket.socket, int] = {}
+        self._selector = selectors.DefaultSelector()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        for end in (self._wake_reader, self._wake_writer):
+            end.setblocking(False)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ)
+        threading.Thread(target=self._run, name="lockstep-lingering-close", daemon=True).start()
+
+    def close(self, sock: socket.socket) -> None:
+        """From any thread: FIN now, the close once the client has closed too (or the linger is over)."""
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # already reset by the client
+            util.close(sock)
+            return
+        self._handoff.put(sock)
+        try:
+            self._wake_writer.send(b"\0")
+        except BlockingIOError:  # woken already: the byte waiting there is enough
+            pass
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select(self._next_timeout()):
+                if key.fileobj is self._wake_reader:
+                    self._take_handoffs()
+                else:
+                    self._read(key.fileobj)
+            now = time.monotonic()
+            for sock in [sock for sock, deadline in self._deadlines.items() if deadline <= now]:
+                self._finish(sock)
+
+    def _next_timeout(self) -> float | None:
+        return max(0.0, min(self._deadlines.values()) - time.monotonic()) if self._deadlines else None
+
+    def _take_handoffs(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while not self._handoff.empty():
+            sock = self._handoff.get_nowait()
+            if len(self._deadlines) >= MAX_LINGERING:
+                util.close(sock)
+                continue
+            try:
+                sock.setblocking(False)
+                self._selector.register(sock, selectors.EVENT_READ)
+            except (OSError, ValueError):  # closed meanwhile
+                util.close(sock)
+                continue
+            self._deadlines[sock] = time.monotonic() + LINGER_S
+            self._drained[sock] = 0
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:  # reset: nothing left to protect
+            data = b""
+        self._drained[sock] += len(data)
+        if not data or self._drained[sock] >= LINGER_MAX_BYTES:
+            self._finish(sock)
+
+    def _finish(self, sock: socket.socket) -> None:
+        self._selector.unregister(sock)
+        del self._deadlines[sock], self._drained[sock]
+        util.close(sock)
+
+
+def _close_connection(closer: LingeringCloser, conn, graceful: bool = False) -> None:
+    """gthread's TConn.close, lingering on the closer's thread instead of the event loop's."""
+    if graceful:
+        closer.close(conn.sock)
+    else:
+        util.close(conn.sock)
+
+
 class LockstepWorker(ThreadWorker):
     app_state: AppState | None = None  # once the app is loaded: its settings, and what gunicorn.conf.py drains
+    closer: LingeringCloser | None = None
 
     def load_wsgi(self):
         super().load_wsgi()
         self.app_state = self.wsgi.extensions[EXTENSION_KEY]
         self.wsgi = honour_connection_close(self.wsgi)
+        self.closer = LingeringCloser()
 
     def handle(self, conn):
+        if self.closer is not None:
+            conn.close = functools.partial(_close_connection, self.closer, conn)
         if conn.parser is None and not self.cfg.is_ssl:
             conn.parser = http.get_parser(self.cfg, DeadlineReader(conn.sock), conn.client)
         reader = _deadline_reader(conn)
@@ -147,9 +251,9 @@ def write_json_error(sock, status: int, reason: str, message: str, code: str) ->
 
 def honour_connection_close(app):
     """gunicorn drops a `Connection` header set by the app (hop-by-hop); this makes it close the connection
-    instead, so that after a 408 or 413 an unread body is never parsed as the next request. After a 413 the
-    rest of the body is read first (within the body deadline, up to DISCARD_LIMIT_BYTES): closing a socket
-    with unread data sends a reset, which can destroy the 413 before the client reads it."""
+    instead, so that after a 408 or 413 an unread body is never parsed as the next request. After a 413 is
+    sent, the rest of the body is read (within the body deadline, up to DISCARD_LIMIT_BYTES) before the close:
+    closing a socket with unread data sends a reset, which can destroy the 413 before the client reads it."""
 
     def wrapped(environ, start_response):
         statuses = []
@@ -164,10 +268,27 @@ def honour_connection_close(app):
 
         result = app(environ, start)
         if statuses and statuses[-1].startswith("413"):
-            discard_unread_body(environ.get("wsgi.input"))
+            return DiscardBodyOnClose(result, environ.get("wsgi.input"))
         return result
 
     return wrapped
+
+
+class DiscardBodyOnClose:
+    """A reply whose `close` (called by gunicorn once the reply is written) reads what is left of the body."""
+
+    def __init__(self, reply, body):
+        self.reply, self.body = reply, body
+
+    def __iter__(self):
+        return iter(self.reply)
+
+    def close(self) -> None:
+        try:
+            discard_unread_body(self.body)
+        finally:
+            if hasattr(self.reply, "close"):
+                self.reply.close()
 
 
 DISCARD_LIMIT_BYTES = 8 << 20

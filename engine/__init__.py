@@ -8,7 +8,7 @@ from .config import EngineConfig, dataclass_from_env
 from .detokenizer import TokenTexts
 from .engine import LLMEngine, RequestHandle
 from .errors import (BackendUnavailable, CorrelationMismatch, DeadlineExceeded, EngineError, InvalidRequest, NotReady,
-                     Overloaded, PromptTooLong, RequestFailed, WorkerBusy, WorkerFailed)
+                     Overloaded, PromptTooLong, RequestFailed, ShuttingDown, WorkerBusy, WorkerFailed)
 from .inputs import check_encodable
 from .messages import FinishReason, PromptLogprobs, TokenLogprob
 from .model_store import ModelNotFound
@@ -23,6 +23,6 @@ __all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "Del
            "EngineError", "FinishReason", "InvalidRequest", "LLMEngine", "MAX_CACHE_SALT_CHARS", "MAX_LOGIT_BIAS",
            "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
            "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptLogprobs", "PromptTooLong",
-           "REPETITION_PENALTY_RANGE",
-           "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput", "SamplingParams", "TokenLogprob",
-           "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed", "check_encodable", "dataclass_from_env"]
+           "REPETITION_PENALTY_RANGE", "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput",
+           "SamplingParams", "ShuttingDown", "TokenLogprob", "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed",
+           "check_encodable", "dataclass_from_env"]

@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 
-from .errors import EngineError, NotReady, WorkerFailed, describe
+from .errors import EngineError, ShuttingDown, WorkerFailed, describe
 from .executor import ModelExecutor
 from .messages import ModelInfo, StepOutput
 from .output_processor import OutputProcessor, RequestObserver, RequestState
@@ -87,7 +87,7 @@ class EngineCore:
         """Fail what is left, stop the worker and the thread."""
         self._stopping.set()
         self.scheduler.close()
-        self.fail_all(NotReady("the server is shutting down"))
+        self.fail_all(ShuttingDown("the server is shutting down"))
         if self.executor:
             self.executor.shutdown()  # kills a worker stuck in a load or a step, which frees the loop thread
         if self._thread:

@@ -33,6 +33,12 @@ class NotReady(EngineError):
     code = "not_ready"
 
 
+class ShuttingDown(NotReady):
+    """The server stops (SIGTERM past its drain, or the engine's shutdown): what still runs ends with this."""
+
+    code = "shutting_down"
+
+
 class WorkerFailed(EngineError):
     """The model worker died, hung or reported an error; in-flight requests fail with this."""
 

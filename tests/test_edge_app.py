@@ -248,7 +248,8 @@ def test_a_bug_while_starting_a_request_is_an_error_frame(server, client, monkey
     monkeypatch.setattr(engine, "submit", broken_submit)
     client.generate("t", messages=[{"role": "user", "content": "Hi"}])
     error = client.recv()
-    assert error == {"type": "error", "id": "t", "code": "internal_error", "message": "internal server error"}
+    assert error == {"type": "error", "id": "t", "code": "internal_error", "message": "internal server error",
+                     "param": None}
     monkeypatch.undo()
     client.generate("after", prompt="Hi", max_tokens=2, ignore_eos=True)
     assert client.collect(["after"])["after"]["final"]["type"] == "done"

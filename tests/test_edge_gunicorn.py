@@ -133,6 +133,25 @@ def test_health_stays_fast_with_200_idle_sockets_and_50_slow_clients(server):
             conn.close()
 
 
+def test_clients_that_keep_their_end_open_never_stall_new_connections(server):
+    """gunicorn 25+ lingers on a closed connection (FIN, then up to 2 s for the client's) on its event loop, one
+    after another: these 5 clients froze every new connection for 10 s. Here the lingering runs beside it."""
+    holders = [connect(server) for _ in range(5)]
+    try:
+        started = time.monotonic()
+        for conn in holders:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        for conn in holders:
+            assert read_reply(conn)[0] == 200
+            assert conn.recv(1) == b""  # the server's FIN came at once; this client keeps its own end open
+        for _ in range(5):
+            assert http("GET", server.url + "/health", timeout=30)[0] == 200
+        assert time.monotonic() - started < 4  # not 2 s per holder
+    finally:
+        for conn in holders:
+            conn.close()
+
+
 def test_slow_headers_and_slow_bodies_get_a_json_408(server):
     with connect(server) as conn:
         conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -207,6 +226,16 @@ def test_a_body_past_the_limit_gets_its_413_not_a_reset(server):
             status, headers, reply = read_reply(conn)
             assert (status, reply["error"]["code"], headers["connection"]) == \
                 (413, "request_entity_too_large", "close")
+
+
+def test_a_declared_body_past_the_limit_is_refused_before_it_arrives(server):
+    with connect(server) as conn:
+        conn.sendall(f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {10 ** 12}\r\n\r\n".encode())
+        started = time.monotonic()
+        status, headers, reply = read_reply(conn)
+        assert (status, reply["error"]["code"], headers["connection"]) == (413, "request_entity_too_large", "close")
+        assert time.monotonic() - started < HEADER_TIMEOUT_S - 1  # not after the body deadline
 
 
 def test_oversize_frames_get_1009_and_binary_1003(server):
@@ -292,5 +321,24 @@ def test_sigterm_to_the_process_group_drains(smol_model_dir, tmp_path):
         assert final["usage"]["completion_tokens"] == 2000
         assert close_code(client) == 1001
         assert live.process.wait(300) == 0
+    finally:
+        live.stop()
+
+
+def test_streams_past_the_drain_timeout_end_with_an_error_and_a_close(smol_model_dir, tmp_path):
+    """At LOCKSTEP_DRAIN_TIMEOUT_S what still runs is ended with a 503 the client reads, and its socket closes
+    1001, before gunicorn's graceful timeout (drain + 10 s) would cut the connection mid-stream."""
+    live = Gunicorn(tmp_path, LOCKSTEP_DRAIN_TIMEOUT_S=1)
+    try:
+        client = WsClient(live.ws_url)
+        client.generate("long", prompt="Count: 1, 2, 3,", max_tokens=8000, ignore_eos=True)
+        assert client.recv()["type"] == "start"
+        assert client.recv()["type"] == "delta"
+        os.killpg(live.process.pid, signal.SIGTERM)
+        final = client.collect(["long"])["long"]["final"]
+        assert (final["type"], final["code"]) == ("error", "shutting_down")
+        assert close_code(client) == 1001
+        assert live.process.wait(60) == 0
+        assert "drain timeout: ending the requests still running" in live.log_text()
     finally:
         live.stop()

@@ -103,7 +103,8 @@ def test_overloaded_is_an_error_on_the_socket(server, client):
         error = client.recv()
     finally:
         scheduler.max_queue = limit
-    assert error == {"type": "error", "id": "busy", "code": "overloaded", "message": error["message"]}
+    assert error == {"type": "error", "id": "busy", "code": "overloaded", "message": error["message"],
+                     "param": None}
 
 
 def test_closing_the_socket_cancels_its_requests(server):
