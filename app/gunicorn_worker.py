@@ -86,13 +86,17 @@ class LingeringCloser:
         for end in (self._wake_reader, self._wake_writer):
             end.setblocking(False)
         self._selector.register(self._wake_reader, selectors.EVENT_READ)
-        threading.Thread(target=self._run, name="lockstep-lingering-close", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="lockstep-lingering-close", daemon=True)
+        self._thread.start()
 
     def close(self, sock: socket.socket) -> None:
         """From any thread: FIN now, the close once the client has closed too (or the linger is over)."""
         try:
             sock.shutdown(socket.SHUT_WR)
         except OSError:  # already reset by the client
+            util.close(sock)
+            return
+        if not self._thread.is_alive():  # never a socket left open behind a dead thread
             util.close(sock)
             return
         self._handoff.put(sock)
@@ -102,6 +106,16 @@ class LingeringCloser:
             pass
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # noqa: BLE001 - a bug here must not leave sockets open: close them, then close at once
+            logger.exception("the lingering-close thread failed; connections now close without lingering")
+            for sock in list(self._deadlines):
+                util.close(sock)
+            while not self._handoff.empty():
+                util.close(self._handoff.get_nowait())
+
+    def _serve(self) -> None:
         while True:
             for key, _ in self._selector.select(self._next_timeout()):
                 if key.fileobj is self._wake_reader:
