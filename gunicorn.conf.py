@@ -6,7 +6,8 @@ thread budget is set far above the socket cap (LOCKSTEP_MAX_SOCKETS): REST calls
 and /ready always find a thread. Each gunicorn worker builds its own engine (and forks its
 own model worker) when it imports wsgi.py: never in the master, so no `preload_app`.
 SIGTERM drains: the worker keeps accepting but answers new requests 503, running ones
-finish (up to LOCKSTEP_DRAIN_TIMEOUT_S), then gunicorn's own graceful stop runs.
+finish (up to LOCKSTEP_DRAIN_TIMEOUT_S; past it they end with a 503 `shutting_down` their
+clients read), then gunicorn's own graceful stop runs.
 """
 import logging
 import signal
@@ -73,12 +74,15 @@ def post_worker_init(worker):
 
 
 def _stop_when_idle(state, gunicorn_stop, signum):
-    if not state.engine.wait_idle(state.settings.drain_timeout_s):
-        # Ended here, each with an error its client reads (503 shutting_down), so that their sockets close
-        # cleanly before gunicorn's graceful timeout would cut them off mid-stream.
-        logging.getLogger("lockstep.drain").warning("drain timeout: ending the requests still running")
-        state.engine.shutdown()
-    gunicorn_stop(signum, None)
+    try:
+        if not state.engine.wait_idle(state.settings.drain_timeout_s):
+            # Ended here, each with an error its client reads (503 shutting_down), so that their sockets close
+            # cleanly before gunicorn's graceful timeout would cut them off mid-stream. The model worker stops
+            # later, in worker_exit.
+            logging.getLogger("lockstep.drain").warning("drain timeout: ending the requests still running")
+            state.engine.end_running()
+    finally:
+        gunicorn_stop(signum, None)
 
 
 def worker_exit(server, worker):

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import queue
+import resource
 import selectors
 import socket
 import threading
@@ -68,6 +69,7 @@ class DeadlineReader:
 LINGER_S = 2.0  # as gunicorn's own close_graceful
 LINGER_MAX_BYTES = 1 << 16
 MAX_LINGERING = 1024  # connections waited on at once; past that one is closed at once
+FD_RESERVE = 128  # descriptors left beside gunicorn's worker_connections: the model channel, logs, files
 
 
 class LingeringCloser:
@@ -77,10 +79,12 @@ class LingeringCloser:
     connection after another: 5 clients that read a `Connection: close` reply and kept their end open froze every
     new connection for 10 s (/health and /ready included). Here one thread waits on all of them at once."""
 
-    def __init__(self):
+    def __init__(self, max_lingering: int = MAX_LINGERING):
+        self.max_lingering = max_lingering
         self._handoff: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
-        self._deadlines: dict[socket.socket, float] = {}
+        self._deadlines: dict[socket.socket, float] = {}  # in hand-off order, so in deadline order
         self._drained: dict[socket.socket, int] = {}
+        self._stopping = threading.Event()
         self._selector = selectors.DefaultSelector()
         self._wake_reader, self._wake_writer = socket.socketpair()
         for end in (self._wake_reader, self._wake_writer):
@@ -93,16 +97,26 @@ class LingeringCloser:
         """From any thread: FIN now, the close once the client has closed too (or the linger is over)."""
         try:
             sock.shutdown(socket.SHUT_WR)
-        except OSError:  # already reset by the client
+        except OSError:  # already reset by the client, or closed
             util.close(sock)
             return
         if not self._thread.is_alive():  # never a socket left open behind a dead thread
             util.close(sock)
             return
         self._handoff.put(sock)
+        self._wake()
+
+    def stop(self, timeout: float) -> None:
+        """The worker exits: wait up to `timeout` for the lingering connections to end (the rest close with the
+        process)."""
+        self._stopping.set()
+        self._wake()
+        self._thread.join(timeout)
+
+    def _wake(self) -> None:
         try:
             self._wake_writer.send(b"\0")
-        except BlockingIOError:  # woken already: the byte waiting there is enough
+        except OSError:  # woken already (the byte waiting there is enough), or stopped
             pass
 
     def _run(self) -> None:
@@ -110,24 +124,36 @@ class LingeringCloser:
             self._serve()
         except Exception:  # noqa: BLE001 - a bug here must not leave sockets open: close them, then close at once
             logger.exception("the lingering-close thread failed; connections now close without lingering")
+        finally:
             for sock in list(self._deadlines):
                 util.close(sock)
             while not self._handoff.empty():
                 util.close(self._handoff.get_nowait())
+            self._selector.close()
+            self._wake_reader.close()
+            self._wake_writer.close()
 
     def _serve(self) -> None:
-        while True:
+        while not (self._stopping.is_set() and not self._deadlines and self._handoff.empty()):
             for key, _ in self._selector.select(self._next_timeout()):
                 if key.fileobj is self._wake_reader:
                     self._take_handoffs()
                 else:
                     self._read(key.fileobj)
-            now = time.monotonic()
-            for sock in [sock for sock, deadline in self._deadlines.items() if deadline <= now]:
-                self._finish(sock)
+            self._close_expired()
 
     def _next_timeout(self) -> float | None:
-        return max(0.0, min(self._deadlines.values()) - time.monotonic()) if self._deadlines else None
+        if not self._deadlines:
+            return None
+        return max(0.0, next(iter(self._deadlines.values())) - time.monotonic())
+
+    def _close_expired(self) -> None:
+        now = time.monotonic()
+        while self._deadlines:
+            sock, deadline = next(iter(self._deadlines.items()))
+            if deadline > now:
+                break
+            self._finish(sock)
 
     def _take_handoffs(self) -> None:
         try:
@@ -137,13 +163,13 @@ class LingeringCloser:
             pass
         while not self._handoff.empty():
             sock = self._handoff.get_nowait()
-            if len(self._deadlines) >= MAX_LINGERING:
+            if len(self._deadlines) >= self.max_lingering or sock.fileno() == -1:
                 util.close(sock)
                 continue
             try:
                 sock.setblocking(False)
                 self._selector.register(sock, selectors.EVENT_READ)
-            except (OSError, ValueError):  # closed meanwhile
+            except (OSError, ValueError, KeyError):  # closed meanwhile; its descriptor's number reused
                 util.close(sock)
                 continue
             self._deadlines[sock] = time.monotonic() + LINGER_S
@@ -161,17 +187,29 @@ class LingeringCloser:
             self._finish(sock)
 
     def _finish(self, sock: socket.socket) -> None:
-        self._selector.unregister(sock)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):  # closed elsewhere meanwhile
+            pass
         del self._deadlines[sock], self._drained[sock]
         util.close(sock)
 
 
-def _close_connection(closer: LingeringCloser, conn, graceful: bool = False) -> None:
+def lingering_room(worker_connections: int) -> int:
+    """How many closing connections may linger beside gunicorn's own: its count stops at the close, and past
+    the descriptor limit accept() fails and the worker dies."""
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_limit == resource.RLIM_INFINITY:
+        return MAX_LINGERING
+    return max(0, min(MAX_LINGERING, soft_limit - worker_connections - FD_RESERVE))
+
+
+def _close_socket(closer: LingeringCloser, sock: socket.socket, graceful: bool = False) -> None:
     """gthread's TConn.close, lingering on the closer's thread instead of the event loop's."""
     if graceful:
-        closer.close(conn.sock)
+        closer.close(sock)
     else:
-        util.close(conn.sock)
+        util.close(sock)
 
 
 class LockstepWorker(ThreadWorker):
@@ -182,11 +220,18 @@ class LockstepWorker(ThreadWorker):
         super().load_wsgi()
         self.app_state = self.wsgi.extensions[EXTENSION_KEY]
         self.wsgi = honour_connection_close(self.wsgi)
-        self.closer = LingeringCloser()
+        self.closer = LingeringCloser(lingering_room(self.cfg.worker_connections))
+
+    def run(self):
+        try:
+            super().run()
+        finally:
+            if self.closer is not None:
+                self.closer.stop(LINGER_S)
 
     def handle(self, conn):
-        if self.closer is not None:
-            conn.close = functools.partial(_close_connection, self.closer, conn)
+        if self.closer is not None:  # conn.sock is final here (TLS wrapped); bound to it, not to conn: no cycle
+            conn.close = functools.partial(_close_socket, self.closer, conn.sock)
         if conn.parser is None and not self.cfg.is_ssl:
             conn.parser = http.get_parser(self.cfg, DeadlineReader(conn.sock), conn.client)
         reader = _deadline_reader(conn)

@@ -3,7 +3,8 @@ socket's close code for a refused key) is rendered into the page from here, so s
 from flask import Blueprint, render_template
 from wsproto.frame_protocol import CloseReason
 
-from engine import BackendUnavailable, DeadlineExceeded, NotReady, Overloaded, RequestFailed, WorkerBusy, WorkerFailed
+from engine import (BackendUnavailable, DeadlineExceeded, NotReady, Overloaded, RequestFailed, ShuttingDown, WorkerBusy,
+                    WorkerFailed)
 
 from . import errors
 from .state import lockstep
@@ -20,6 +21,7 @@ NEEDS_API_KEY_TEXT = "The server needs an API key: enter it under Settings."
 ERROR_TEXTS = {
     Overloaded.code: "The server is busy with other requests. Try again in a moment.",
     NotReady.code: "The model is still loading. Try again when the badge says connected.",
+    ShuttingDown.code: "The server is restarting. Try again when the badge says connected.",
     WorkerFailed.code: "The model stopped unexpectedly and is being restarted. Try again in a moment.",
     WorkerBusy.code: "The model is busy. Try again in a moment.",
     BackendUnavailable.code: "This server cannot run its model backend.",
@@ -30,7 +32,7 @@ ERROR_TEXTS = {
     "unauthorized": NEEDS_API_KEY_TEXT,  # werkzeug's 401
 }
 # After these the model may be gone for a while: the page asks GET /ready again before it unlocks Send.
-RECHECK_READY_CODES = (NotReady.code, WorkerFailed.code, WorkerBusy.code)
+RECHECK_READY_CODES = (NotReady.code, ShuttingDown.code, WorkerFailed.code, WorkerBusy.code)
 
 
 @bp.get("/")

@@ -133,27 +133,44 @@ def refuse_lone_surrogates(body: dict, raw: bytes | str) -> None:
     if not _SURROGATE_ESCAPE[type(raw)].search(raw):
         return
     for name, value in body.items():
-        pending, shown = [value], shown_name(name)
-        while pending:  # a loop, not recursion: the parser allows deeper nesting than the stack left here
+        if not _is_unicode(value):
+            shown = shown_name(name)
+            raise invalid_value(shown, f"{shown} holds text that is not valid Unicode: a lone surrogate "
+                                       "(a \\ud800-\\udfff escape outside a pair)")
+
+
+def _is_unicode(value) -> bool:
+    """Whether every string in a parsed JSON value (keys too) encodes to UTF-8: json's C encoder tells at C speed;
+    a value nested deeper than its stack allows here is walked instead."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+    except RecursionError:
+        pending = [value]
+        while pending:
             item = pending.pop()
-            if isinstance(item, str):
-                check_encodable(item, shown)
-            elif isinstance(item, dict):
-                pending.extend(item.keys())
-                pending.extend(item.values())
+            if isinstance(item, str) and not _encodes(item):
+                return False
+            if isinstance(item, dict):
+                pending.extend((*item.keys(), *item.values()))
             elif isinstance(item, list):
                 pending.extend(item)
+        return True
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def echoable(value, max_length: int) -> str | None:
     """A client's id fit to send back in an error frame: a string of at most `max_length` valid characters."""
-    if not isinstance(value, str) or len(value) > max_length:
-        return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate
-        return None
-    return value
+    return value if isinstance(value, str) and len(value) <= max_length and _encodes(value) else None
 
 
 # -- which fields ---------------------------------------------------------------------------------------------

@@ -179,10 +179,10 @@ class SocketSession:
         try:
             message = parse_json_object(data)
             reference = self.reference_of(message)
-            refuse_lone_surrogates(message, data)
             if not self.is_authenticated:
                 self.authenticate(message)
                 return
+            refuse_lone_surrogates(message, data)
             self.on_message(message)
         except (ApiError, EngineError) as exc:
             self.send_error(reference, exc)

@@ -12,7 +12,7 @@ from .backend_choice import choose_backend
 from .config import EngineConfig
 from .detokenizer import TokenTexts
 from .engine_core import EngineCore
-from .errors import EngineError, NotReady, WorkerFailed
+from .errors import EngineError, NotReady, ShuttingDown, WorkerFailed
 from .executor import ModelExecutor
 from .inputs import InputProcessor
 from .messages import ModelInfo
@@ -114,6 +114,12 @@ class LLMEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def end_running(self) -> None:
+        """Stop accepting and end every queued or running request with ShuttingDown (a drain past its timeout);
+        the model worker stays up until `shutdown`, which may take a while."""
+        self.stop_accepting()
+        self.core.fail_all(ShuttingDown("the server is shutting down: the drain timeout passed"))
+
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop accepting, let running requests finish for up to `drain_timeout`, abort the rest, stop all."""
         self.stop_accepting()
@@ -182,7 +188,7 @@ class LLMEngine:
         `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget);
         `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes."""
         if not self._accepting:
-            raise NotReady("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         if not self.is_scheduling:
             raise NotReady("the engine's scheduler stopped")
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
