@@ -86,6 +86,13 @@ def test_the_key_in_the_url_is_refused_everywhere(keyed):
     assert close_frame(ws)[0] == 1008
 
 
+def test_an_unauthenticated_frame_is_refused_for_its_missing_key_before_its_text(keyed):
+    ws = WsClient(keyed.ws_url)
+    ws.send('{"type": "generate", "id": "a", "prompt": "\\ud800"}')
+    assert ws.recv()["code"] == "auth_required"
+    assert close_frame(ws)[0] == 1008
+
+
 def test_socket_authenticates_with_its_first_frame(keyed):
     ws = WsClient(keyed.ws_url)
     ws.send({"type": "auth", "api_key": KEY})
