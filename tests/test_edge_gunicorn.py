@@ -300,16 +300,22 @@ def test_the_key_never_reaches_the_logs(server):
 
 # ---- 3. The drain -------------------------------------------------------------------------------------------------
 
+def sigterm_beside_a_stream(live: Gunicorn, max_tokens: int) -> WsClient:
+    """A stream of `max_tokens` started (its first delta read), then SIGTERM to the whole process group."""
+    client = WsClient(live.ws_url)
+    client.generate("long", prompt="Count: 1, 2, 3,", max_tokens=max_tokens, ignore_eos=True)
+    assert client.recv()["type"] == "start"
+    assert client.recv()["type"] == "delta"
+    os.killpg(live.process.pid, signal.SIGTERM)
+    return client
+
+
 def test_sigterm_to_the_process_group_drains(smol_model_dir, tmp_path):
     # 2,000 tokens: the stream still runs when the checks below come (150 ended within the 0.5 s on a host that
     # decodes 320 tokens a second, and the drained server was gone); the drain may take them all, on a slow host too
     live = Gunicorn(tmp_path, LOCKSTEP_DRAIN_TIMEOUT_S=300)
     try:
-        client = WsClient(live.ws_url)
-        client.generate("long", prompt="Count: 1, 2, 3,", max_tokens=2000, ignore_eos=True)
-        assert client.recv()["type"] == "start"
-        assert client.recv()["type"] == "delta"
-        os.killpg(live.process.pid, signal.SIGTERM)
+        client = sigterm_beside_a_stream(live, max_tokens=2000)
         time.sleep(0.5)
         status, headers, body = http("POST", live.url + "/basic_generate", {"prompt": "x", "max_tokens": 2})
         assert (status, body["error"]["code"]) == (503, "shutting_down") and headers["Retry-After"]
@@ -330,11 +336,7 @@ def test_streams_past_the_drain_timeout_end_with_an_error_and_a_close(smol_model
     1001, before gunicorn's graceful timeout (drain + 10 s) would cut the connection mid-stream."""
     live = Gunicorn(tmp_path, LOCKSTEP_DRAIN_TIMEOUT_S=1)
     try:
-        client = WsClient(live.ws_url)
-        client.generate("long", prompt="Count: 1, 2, 3,", max_tokens=8000, ignore_eos=True)
-        assert client.recv()["type"] == "start"
-        assert client.recv()["type"] == "delta"
-        os.killpg(live.process.pid, signal.SIGTERM)
+        client = sigterm_beside_a_stream(live, max_tokens=8000)
         final = client.collect(["long"])["long"]["final"]
         assert (final["type"], final["code"]) == ("error", "shutting_down")
         assert close_code(client) == 1001
