@@ -4,6 +4,7 @@ Every WebSocket route (app/ws.py, app/responses_ws.py) speaks through one Socket
 gone, or a close frame went out, a send does nothing and `is_open` turns false: the session loop ends there.
 """
 import json
+import select
 import socket
 import threading
 import time
@@ -13,6 +14,9 @@ from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError
 
 CLOSE_WAIT_S = 2.0  # how long a closing socket waits for the client's close reply, and drains what it still sends
+# A client that has read nothing for this long while frames wait is cut off: it would hold the session's thread
+# (and a drain past gunicorn's graceful timeout), and what the engine sends it would pile up in memory.
+SEND_TIMEOUT_S = 8.0
 MAX_DRAIN_BYTES = 4 << 20
 SEND_ERRORS = (ConnectionClosed, OSError, LocalProtocolError)  # the client is gone, or the socket is closing
 
@@ -76,9 +80,23 @@ class GuardedSocket:
         self._send_lock = threading.Lock()
 
     def send(self, data: bytes) -> int:
+        """All of `data` (upstream calls send(), which may write only part of a large frame), or TimeoutError
+        and the connection shut down once the client has read nothing for SEND_TIMEOUT_S."""
+        view = memoryview(data)
         with self._send_lock:
-            self.sock.sendall(data)  # upstream calls send(), which may write only part of a large frame
+            while view:
+                try:  # per call, not the socket's mode: the reader thread blocks in recv on the same socket
+                    view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    if not self._wait_writable(SEND_TIMEOUT_S):
+                        self.shutdown_quietly()
+                        raise TimeoutError(f"the client read nothing for {SEND_TIMEOUT_S:.0f} s") from None
         return len(data)
+
+    def _wait_writable(self, timeout_s: float) -> bool:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        return bool(poller.poll(timeout_s * 1000))
 
     def recv(self, size: int) -> bytes:
         return self.sock.recv(size)

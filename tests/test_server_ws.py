@@ -1,5 +1,7 @@
 """WebSocket /ws against a live server with a real client: streaming, multiplexing, cancel, errors, disconnect."""
 
+import socket
+
 import pytest
 import websocket
 
@@ -149,3 +151,32 @@ def test_worker_failure_is_an_error_frame_and_the_next_request_works(server, cli
     assert final["type"] == "error" and final["code"] == "worker_failed" and "died" in final["message"]
     client.generate("after", prompt="Hi", max_tokens=3, ignore_eos=True)
     assert client.collect(["after"])["after"]["final"]["finish_reason"] == "length"
+
+
+def test_a_client_that_stops_reading_is_cut_off(server, monkeypatch):
+    """Its frames would otherwise hold the session's thread in a send for good (and pile up in memory); small
+    buffers on both ends so that a tiny model's answer fills them."""
+    from app import socket_transport
+
+    monkeypatch.setattr(socket_transport, "SEND_TIMEOUT_S", 1.0)
+    guarded = socket_transport.GuardedSocket.__init__
+
+    def small_send_buffer(self, sock):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        guarded(self, sock)
+
+    monkeypatch.setattr(socket_transport.GuardedSocket, "__init__", small_send_buffer)
+    sockets = server.state.sockets
+    before = sockets.num_open
+    client = WsClient(server.ws_url, sockopt=((socket.SOL_SOCKET, socket.SO_RCVBUF, 4096),))
+    wait_until(lambda: sockets.num_open == before + 1, what="the socket open")
+    for i in range(4):  # reads nothing from here on
+        client.generate(f"big{i}", prompt="Hello", max_tokens=240, ignore_eos=True, logprobs=True, top_logprobs=20)
+    wait_until(lambda: sockets.num_open == before, timeout=60, what="the silent client cut off")
+    frames = []
+    try:
+        while True:
+            frames.append(client.recv())
+    except (websocket.WebSocketException, OSError):
+        pass
+    assert sum(frame["type"] == "done" for frame in frames) < 4  # cut off before its answers were out
