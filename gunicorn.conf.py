@@ -10,10 +10,12 @@ finish (up to LOCKSTEP_DRAIN_TIMEOUT_S; past it they end with a 503 `shutting_do
 clients read), then gunicorn's own graceful stop runs.
 """
 import logging
+import resource
 import signal
 import threading
 
 from app import settings_from_env
+from app.gunicorn_worker import FD_RESERVE, MAX_LINGERING
 
 SETTINGS = settings_from_env()  # the LOCKSTEP_* variables, read as the app reads them (app/settings.py)
 bind = f"{SETTINGS.host}:{SETTINGS.port}"
@@ -34,6 +36,25 @@ access_log_format = '%(h)s %(t)s "%(m)s %(U)s %(H)s" %(s)s %(b)s %(D)sus "%(a)s"
 loglevel = SETTINGS.log_level
 # gunicorn configures only its own loggers; lockstep's (app.*, engine.*) log through the root logger.
 logging.basicConfig(level=loglevel.upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+
+
+def raise_open_file_limit(wanted: int) -> None:
+    """systemd gives a service 1024 descriptors (its soft limit): past them accept() fails (EMFILE) and the
+    worker dies, its model with it. Raised toward the hard limit for every connection, thread and lingering close
+    (the workers inherit it); where the hard limit is lower, said at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    raised = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < wanted:
+        logging.getLogger("lockstep.config").warning(
+            "the open-file limit %d (hard) is below the %d descriptors %d connections and %d threads may need: "
+            "raise it (LimitNOFILE=, ulimit -n) or lower LOCKSTEP_HTTP_THREADS", hard, wanted, worker_connections,
+            threads)
+
+
+raise_open_file_limit(worker_connections + threads + MAX_LINGERING + FD_RESERVE)
 if SETTINGS.max_sockets > threads - SPARE_THREADS:
     logging.getLogger("lockstep.config").warning(
         "LOCKSTEP_MAX_SOCKETS=%d leaves fewer than %d of LOCKSTEP_HTTP_THREADS=%d for REST and probes",

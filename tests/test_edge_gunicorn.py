@@ -2,6 +2,7 @@
 own error replies, keep-alive after a 413, close codes, a vanished client, no secret in the logs, and the drain."""
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import websocket
 
+from app.gunicorn_worker import FD_RESERVE, MAX_LINGERING
+
 from .client import WsClient, http
 from .test_gunicorn import free_port, wait_ready
 
@@ -24,8 +27,9 @@ HEADER_TIMEOUT_S = 6
 
 
 class Gunicorn:
-    def __init__(self, tmp_path: Path, cgroup: Path | None = None, **env):
-        """`cgroup`: the server runs in it from its first instruction (its children inherit it)."""
+    def __init__(self, tmp_path: Path, cgroup: Path | None = None, open_files: int | None = None, **env):
+        """`cgroup`: the server runs in it from its first instruction (its children inherit it); `open_files`:
+        its soft descriptor limit, as systemd sets one."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
@@ -35,8 +39,7 @@ class Gunicorn:
         # Its own process group, so a test can signal the whole group (master, worker, model worker) as systemd does.
         self.process = subprocess.Popen([str(Path(sys.executable).parent / "gunicorn"), "-c", "gunicorn.conf.py",
                                          "wsgi:app"], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=None if cgroup is None else (
-                                            lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))))
+                                        start_new_session=True, preexec_fn=lambda: _enter(cgroup, open_files))
         wait_ready(self.url, self.process)
 
     def log_text(self) -> str:
@@ -48,6 +51,13 @@ class Gunicorn:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
         self.log.close()
+
+
+def _enter(cgroup: Path | None, open_files: int | None) -> None:
+    if cgroup is not None:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+    if open_files is not None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +160,31 @@ def test_clients_that_keep_their_end_open_never_stall_new_connections(server):
     finally:
         for conn in holders:
             conn.close()
+
+
+def test_systemds_default_descriptor_limit_is_raised_for_every_connection(tiny_model_dir, tmp_path):
+    """At a soft limit of 1024 (a systemd service's), 1,100 idle connections made accept() fail with EMFILE and
+    the worker died, its model with it: gunicorn.conf.py raises the soft limit toward the hard one."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    wanted = 2 * 1024 + 1024 + MAX_LINGERING + FD_RESERVE  # gunicorn.conf.py: connections, threads, closes
+    live = Gunicorn(tmp_path, open_files=1024, LOCKSTEP_MODEL=tiny_model_dir, LOCKSTEP_DTYPE="float32",
+                    LOCKSTEP_THREADS=1)
+    try:
+        if hard != resource.RLIM_INFINITY and hard < wanted:  # too low to raise enough: the operator is told
+            assert "raise it (LimitNOFILE=, ulimit -n)" in live.log_text()
+            return
+        limits = Path(f"/proc/{live.process.pid}/limits").read_text()
+        soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+        assert soft == wanted
+        idle = [connect(live) for _ in range(1100)]
+        try:
+            assert http("GET", live.url + "/health", timeout=30)[0] == 200
+        finally:
+            for conn in idle:
+                conn.close()
+        assert "Booting worker" in live.log_text() and live.log_text().count("Booting worker") == 1
+    finally:
+        live.stop()
 
 
 def test_slow_headers_and_slow_bodies_get_a_json_408(server):
