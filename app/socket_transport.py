@@ -6,6 +6,7 @@ gone, or a close frame went out, a send does nothing and `is_open` turns false: 
 import json
 import select
 import socket
+import ssl
 import threading
 import time
 
@@ -78,6 +79,8 @@ class GuardedSocket:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._send_lock = threading.Lock()
+        # TLS in gunicorn itself (lockstep's deployment puts it in nginx) takes no flags: it blocks as before
+        self._send_flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_DONTWAIT
 
     def send(self, data: bytes) -> int:
         """All of `data` (upstream calls send(), which may write only part of a large frame), or TimeoutError
@@ -86,7 +89,7 @@ class GuardedSocket:
         with self._send_lock:
             while view:
                 try:  # per call, not the socket's mode: the reader thread blocks in recv on the same socket
-                    view = view[self.sock.send(view, socket.MSG_DONTWAIT):]
+                    view = view[self.sock.send(view, self._send_flags):]
                 except BlockingIOError:
                     if not self._wait_writable(SEND_TIMEOUT_S):
                         self.shutdown_quietly()
