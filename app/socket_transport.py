@@ -98,7 +98,10 @@ class GuardedSocket:
 
     def _wait_writable(self, timeout_s: float) -> bool:
         poller = select.poll()
-        poller.register(self.sock, select.POLLOUT)
+        try:
+            poller.register(self.sock, select.POLLOUT)
+        except ValueError:  # closed meanwhile (its descriptor is -1)
+            return False
         return bool(poller.poll(timeout_s * 1000))
 
     def recv(self, size: int) -> bytes:
