@@ -151,7 +151,7 @@ def _is_unicode(value) -> bool:
         pending = [value]
         while pending:
             item = pending.pop()
-            if isinstance(item, str) and not _encodes(item):
+            if isinstance(item, str) and not _is_unicode(item):
                 return False
             if isinstance(item, dict):
                 pending.extend((*item.keys(), *item.values()))
@@ -160,17 +160,9 @@ def _is_unicode(value) -> bool:
         return True
 
 
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
 def echoable(value, max_length: int) -> str | None:
     """A client's id fit to send back in an error frame: a string of at most `max_length` valid characters."""
-    return value if isinstance(value, str) and len(value) <= max_length and _encodes(value) else None
+    return value if isinstance(value, str) and len(value) <= max_length and _is_unicode(value) else None
 
 
 # -- which fields ---------------------------------------------------------------------------------------------

@@ -141,8 +141,9 @@ def check_samples_fit_a_client(num_prompts: int, sampling: SamplingParams, max_q
 
 
 def check_cache_salt(salt) -> None:
-    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
         raise InvalidRequest(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
                              "cache_salt")
-    if salt is not None:
-        check_encodable(salt, "cache_salt")  # the worker hashes its UTF-8 bytes
+    check_encodable(salt, "cache_salt")  # the worker hashes its UTF-8 bytes
