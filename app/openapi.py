@@ -8,7 +8,7 @@ they list what is always there. tests/test_openapi.py runs schemathesis against 
 from flask import Blueprint, jsonify
 
 from engine import (MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY,
-                    MAX_SCHEMA_NAME_LENGTH, MAX_SEED, MAX_STOP_LENGTH, REPETITION_PENALTY_RANGE)
+                    MAX_SCHEMA_NAME_LENGTH, MAX_SEED, MAX_STOP_LENGTH, MIN_SEED, REPETITION_PENALTY_RANGE)
 
 from . import request_parsing as shapes
 from . import responses
@@ -420,7 +420,7 @@ def _sampling_properties(state: AppState) -> dict:
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
         "top_k": _nullable({"type": "integer", "minimum": 0, "description": "0 = off"}),
         "stop": _nullable({"anyOf": [stop_string, {"type": "array", "maxItems": max_stop, "items": stop_string}]}),
-        "seed": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_SEED}),
+        "seed": _nullable({"type": "integer", "minimum": MIN_SEED, "maximum": MAX_SEED}),
         "ignore_eos": {"type": "boolean"},
         "timeout": _nullable({"type": "number", "exclusiveMinimum": 0,
                               "description": "Seconds; shortens the server's request deadline"}),

@@ -17,12 +17,12 @@ from .outputs import DeltaEvent, RequestOutput, Usage
 from .preprocess import MAX_CACHE_SALT_CHARS
 from .response_format import MAX_NAME_LENGTH as MAX_SCHEMA_NAME_LENGTH
 from .sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY, MAX_SEED, MAX_STOP_LENGTH,
-                       REPETITION_PENALTY_RANGE, SamplingParams)
+                       MIN_SEED, REPETITION_PENALTY_RANGE, SamplingParams)
 
 __all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "DeltaEvent", "EngineConfig",
            "EngineError", "FinishReason", "InvalidRequest", "LLMEngine", "MAX_CACHE_SALT_CHARS", "MAX_LOGIT_BIAS",
            "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
-           "MAX_STOP_LENGTH", "ModelNotFound", "NotReady", "Overloaded", "PromptLogprobs", "PromptTooLong",
+           "MAX_STOP_LENGTH", "MIN_SEED", "ModelNotFound", "NotReady", "Overloaded", "PromptLogprobs", "PromptTooLong",
            "REPETITION_PENALTY_RANGE", "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput",
            "SamplingParams", "ShuttingDown", "TokenLogprob", "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed",
            "check_encodable", "dataclass_from_env"]

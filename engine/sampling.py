@@ -7,7 +7,7 @@ from .messages import WorkerSampling
 from .response_format import parse_response_format, refuse_conflicts
 
 MAX_STOP_LENGTH = 200
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1  # a signed 64-bit integer, as vLLM's server takes
 # Below these, sampling is greedy in all but name (and float32 would round the value to 0): treat it as such,
 # as vLLM does for temperature.
 GREEDY_TEMPERATURE = 1e-5
@@ -93,8 +93,8 @@ class SamplingParams:
             raise InvalidRequest(f"at most {max_stop_strings} stop strings are allowed", "stop")
         if any(not s or len(s) > MAX_STOP_LENGTH for s in self.stop):
             raise InvalidRequest(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters", "stop")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise InvalidRequest("seed must be between 0 and 2**63-1", "seed")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise InvalidRequest("seed must be a signed 64-bit integer (-2**63 to 2**63-1)", "seed")
         if self.response_format is not None:
             refuse_conflicts(self.stop, self.ignore_eos, self.min_tokens)
         self._validate_processors()

@@ -39,8 +39,7 @@ function settingChecks() {
                                            rule: maxTokensRule}),
     top_p: numberField("top_p", {check: (v) => v > 0 && v <= 1, rule: "Top-p must be above 0 and at most 1."}),
     stop: stopField(),
-    seed: numberField("seed", {integer: true, optional: true, check: (v) => v >= 0,
-                               rule: "Seed must be a whole number, 0 or more."}),
+    seed: numberField("seed", {integer: true, optional: true, check: () => true, rule: ""}),
   };
 }
 

@@ -14,7 +14,7 @@ from engine.messages import (EchoResult, EchoTask, ModelInfo, NewRequest, Shutdo
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
     ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"stop": [1]}, "stop"), ({"stop": ["a"] * 9}, "stop"), ({"stop": [""]}, "stop"),
-    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"max_tokens": True}, "max_tokens"),
+    ({"seed": -2**63 - 1}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": 1.5}, "seed"), ({"max_tokens": True}, "max_tokens"),
 ])
 def test_bad_sampling_fields_name_the_field(body, param):
     with pytest.raises(InvalidRequest) as info:
@@ -60,10 +60,17 @@ def test_greedy_and_seeded_sampling():
     assert len({sampler(logits) for _ in range(50)}) > 1  # a real draw, not argmax
 
 
-def test_a_tiny_temperature_acts_greedy_instead_of_overflowing():
-    logits = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 30
-    sampler = TokenSampler(WorkerSampling(1e-40, seed=1), torch.device("cpu"))
-    assert sampler(logits) == int(logits.argmax())
+@pytest.mark.parametrize("seed", [-1, -2**63, 2**63 - 1])
+def test_every_signed_64_bit_seed_is_taken_and_reproducible(seed):
+    logits = torch.zeros(1000)  # uniform: the draws are the generator's alone
+
+    def draws(sample_index=0):
+        sampler = TokenSampler(WorkerSampling(1.0, seed=seed), torch.device("cpu"), sample_index=sample_index)
+        return [sampler(logits) for _ in range(8)]
+
+    assert SamplingParams.from_request({"seed": seed}).seed == seed
+    assert draws() == draws()
+    assert draws(sample_index=1) != draws()  # the next sample, seed + 1, past either end of the range too
 
 
 @pytest.mark.parametrize("message", [
