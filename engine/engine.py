@@ -188,7 +188,7 @@ class LLMEngine:
         `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget);
         `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes."""
         if not self._accepting:
-            raise ShuttingDown("the server is shutting down")
+            raise ShuttingDown()
         if not self.is_scheduling:
             raise NotReady("the engine's scheduler stopped")
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot

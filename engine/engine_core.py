@@ -87,7 +87,7 @@ class EngineCore:
         """Fail what is left, stop the worker and the thread."""
         self._stopping.set()
         self.scheduler.close()
-        self.fail_all(ShuttingDown("the server is shutting down"))
+        self.fail_all(ShuttingDown())
         if self.executor:
             self.executor.shutdown()  # kills a worker stuck in a load or a step, which frees the loop thread
         if self._thread:

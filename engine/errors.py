@@ -38,6 +38,9 @@ class ShuttingDown(NotReady):
 
     code = "shutting_down"
 
+    def __init__(self, message: str = "the server is shutting down"):
+        super().__init__(message)
+
 
 class WorkerFailed(EngineError):
     """The model worker died, hung or reported an error; in-flight requests fail with this."""

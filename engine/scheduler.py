@@ -152,7 +152,7 @@ class Scheduler:
         client_id = seqs[0].client_id
         with self._lock:
             if self._is_closed:
-                raise ShuttingDown("the server is shutting down")
+                raise ShuttingDown()
             if len(self.waiting) + len(seqs) > self.max_queue:
                 raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
             if sum(s.client_id == client_id for s in self.waiting) + len(seqs) > self.max_queue_per_client:
