@@ -2,7 +2,8 @@
 
 The oldest entry goes first when either cap is reached, so the store never grows with traffic; an evicted id
 answers `previous_response_not_found` like one that never existed. A socket keeps its own few last responses
-in one of these too (also those sent with `store: false`).
+in one of these too (also those sent with `store: false`). A response streamed over a socket is kept from its
+start, in progress (GET shows it so; a DELETE then wins over its end: `complete` keeps nothing it no longer holds).
 """
 import json
 import threading
@@ -36,14 +37,24 @@ class ResponseStore:
 
     def put(self, stored: StoredResponse) -> bool:
         """Keep it, evicting the oldest as needed; False if it alone is larger than the store."""
-        if stored.num_bytes > self.max_bytes or self.max_entries < 1:
-            return False
         with self._lock:
-            self._remove(stored.response["id"])
-            self._entries[stored.response["id"]] = stored
-            self._num_bytes += stored.num_bytes
-            while len(self._entries) > self.max_entries or self._num_bytes > self.max_bytes:
-                self._remove(next(iter(self._entries)))
+            return self._put(stored)
+
+    def complete(self, stored: StoredResponse) -> bool:
+        """Replace the response's in-progress entry with its final form, only while that entry is still held:
+        a response deleted (or evicted) while it was made stays gone."""
+        with self._lock:
+            return stored.response["id"] in self._entries and self._put(stored)
+
+    def _put(self, stored: StoredResponse) -> bool:
+        if stored.num_bytes > self.max_bytes or self.max_entries < 1:
+            self._remove(stored.response["id"])  # not its older form either
+            return False
+        self._remove(stored.response["id"])
+        self._entries[stored.response["id"]] = stored
+        self._num_bytes += stored.num_bytes
+        while len(self._entries) > self.max_entries or self._num_bytes > self.max_bytes:
+            self._remove(next(iter(self._entries)))
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:

@@ -75,6 +75,12 @@ STATUS_OF = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete", 
              FinishReason.ERROR: "failed"}
 
 
+class PreviousResponseInProgress(ApiError):
+    def __init__(self, response_id: str):
+        super().__init__(400, f"previous response {shown_name(response_id)!r} is still in progress; continue it "
+                              "once it has finished", "previous_response_in_progress", "previous_response_id")
+
+
 class PreviousResponseNotFound(ApiError):
     def __init__(self, response_id: str):
         super().__init__(400, f"previous response {shown_name(response_id)!r} not found (never made, deleted, or "
@@ -178,6 +184,8 @@ def _previous(response_id, find_previous) -> StoredResponse | None:
     previous = find_previous(response_id)
     if previous is None:
         raise PreviousResponseNotFound(response_id)
+    if previous.response["status"] == "in_progress":
+        raise PreviousResponseInProgress(response_id)
     return previous
 
 
@@ -340,8 +348,9 @@ def _error(output: RequestOutput | None) -> dict | None:
 
 # -- conversation state -------------------------------------------------------------------------------------------
 
-def remember(turn: Turn, response: dict, stores: list) -> None:
-    """Keep the response (and the conversation it ends) where a next turn or a GET will look for it."""
+def remember(turn: Turn, response: dict, stores: list, completes: list = ()) -> None:
+    """Keep the response (and the conversation it ends) where a next turn or a GET will look for it:
+    `completes` hold it in progress since it started (see ResponseStore.complete)."""
     text = "".join(part["text"] for item in response["output"] for part in item["content"])
     history = turn.history + (({"role": "assistant", "content": text},) if response["output"] else ())
     stored = StoredResponse.of(response, history)
@@ -349,3 +358,6 @@ def remember(turn: Turn, response: dict, stores: list) -> None:
         if not store.put(stored):
             logger.info("response %s (%d bytes) is larger than a response store; not kept", turn.response_id,
                         stored.num_bytes)
+    for store in completes:
+        if not store.complete(stored):
+            logger.info("response %s was deleted or evicted while it was made; not kept", turn.response_id)

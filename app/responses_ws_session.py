@@ -12,8 +12,9 @@ usable. `response.steer` is refused (no tools, nothing to steer).
 Lanes: responses with the same stream_id (or none) run one after another in the order sent, so a turn may
 name the one before it while that still runs; different lanes run at once. At most MAX_WAITING creates wait
 per socket (past that: `response_already_in_flight`). The socket remembers its last responses for
-previous_response_id (also those with store: false); stored ones resolve anywhere. Closing the socket cancels
-its responses. The socket itself (key from the handshake, origins, socket cap, idle close, frame limit,
+previous_response_id (also those with store: false); stored ones resolve anywhere, and are stored from their
+start, in progress (a GET shows them so; a DELETE meanwhile wins). Closing the socket cancels its responses and
+forgets those still in progress. The socket itself (key from the handshake, origins, socket cap, idle close, frame limit,
 drain) is app/sockets.py's and app/socket_session.py's, as for /ws; the route is app/responses_ws.py.
 """
 import json
@@ -134,6 +135,8 @@ class ResponsesSession(SocketSession):
                            client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt)
         running.item_id = f"msg_{uuid.uuid4().hex}"
         self.streams[request_id] = running
+        if turn.store:
+            self.state.responses.put(StoredResponse.of(in_progress_object(turn), ()))
         self._emit(running, "response.created", response=in_progress_object(turn))
         self._emit(running, "response.in_progress", response=in_progress_object(turn))
         self._emit(running, "response.output_item.added", output_index=0, item=output_message(None, running.item_id))
@@ -179,7 +182,7 @@ class ResponsesSession(SocketSession):
         if output.finish_reason is not FinishReason.ERROR:
             self._emit_text_done(running, output)
         self._emit(running, FINAL_EVENTS[response["status"]], response=response)
-        self._remember(running.turn, response)
+        self._remember(running.turn, response, started=True)
         logger.info("ws response %s finish=%s tokens=%d e2e_ms=%.0f", running.turn.response_id,
                     output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
         self._start_waiting(running.lane)
@@ -202,8 +205,18 @@ class ResponsesSession(SocketSession):
                 "sequence_number"]})
         self.transport.send_text(text)
 
-    def _remember(self, turn: Turn, response: dict) -> None:
-        remember(turn, response, [self.recent, self.state.responses] if turn.store else [self.recent])
+    def _remember(self, turn: Turn, response: dict, started: bool = False) -> None:
+        """`started`: the server's store has held it in progress since it started."""
+        stored = [self.state.responses] if turn.store else []
+        remember(turn, response, [self.recent] + ([] if started else stored), completes=stored if started else [])
+
+    def cancel_all(self) -> None:
+        """The socket closes: its responses are cancelled, and those stored in progress forgotten (as a REST
+        client's that closes its connection are never stored)."""
+        super().cancel_all()
+        for running in self.streams.values():
+            if running.turn.store:
+                self.state.responses.delete(running.turn.response_id)
 
 
 def _lane(value) -> str | None:

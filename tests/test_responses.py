@@ -189,6 +189,22 @@ def test_an_evicted_response_is_not_found(server, client):
         server.state.responses = original
 
 
+def test_a_response_in_progress_is_completed_only_while_the_store_holds_it():
+    store = ResponseStore(max_entries=2, max_bytes=1 << 20)
+    made = [StoredResponse.of({"id": f"resp_{i}", "status": "completed"}, ()) for i in range(3)]
+    assert not store.complete(made[0])  # never started here: not kept
+    store.put(StoredResponse.of({"id": "resp_0", "status": "in_progress"}, ()))
+    assert store.complete(made[0]) and store.get("resp_0") is made[0]
+    store.put(StoredResponse.of({"id": "resp_1", "status": "in_progress"}, ()))
+    assert store.delete("resp_1") and not store.complete(made[1]) and store.get("resp_1") is None
+    store.put(StoredResponse.of({"id": "resp_2", "status": "in_progress"}, ()))
+    store.put(StoredResponse.of({"id": "other", "status": "completed"}, ()))
+    store.put(StoredResponse.of({"id": "another", "status": "completed"}, ()))  # evicts resp_2 in progress
+    assert not store.complete(made[2]) and len(store) == 2
+    big = StoredResponse.of({"id": "other"}, ({"role": "user", "content": "x" * (2 << 20)},))
+    assert not store.complete(big) and store.get("other") is None  # too large: its in-progress form goes too
+
+
 def test_the_store_is_bounded_in_entries_and_bytes():
     store = ResponseStore(max_entries=100, max_bytes=10_000)
     entries = [StoredResponse.of({"id": f"resp_{i}"}, ({"role": "user", "content": "x" * 900},)) for i in range(50)]

@@ -227,3 +227,34 @@ def test_a_bug_below_the_socket_is_a_server_error_event(server, raw, monkeypatch
     monkeypatch.undo()
     raw.send({"type": "response.create", "input": "Hi", "max_output_tokens": 2})
     assert raw_until_final(raw)[-1]["type"] in FINAL[:2]
+
+
+def test_a_stored_response_is_kept_from_its_start_and_a_delete_meanwhile_wins(server, raw):
+    url = server.url + "/v1/responses"
+    raw.send({"type": "response.create", "input": "Hello", "max_output_tokens": 500, "ignore_eos": True})
+    response_id = raw.recv()["response"]["id"]
+    while raw.recv()["type"] != "response.output_text.delta":
+        pass
+    status, _, shown = http("GET", f"{url}/{response_id}")
+    assert status == 200 and shown["status"] == "in_progress" and shown["output"] == []
+    status, _, refused = http("POST", url, {"input": "Go on.", "previous_response_id": response_id})
+    assert status == 400 and refused["error"]["code"] == "previous_response_in_progress"
+    assert http("DELETE", f"{url}/{response_id}")[0] == 200
+    assert raw_until_final(raw)[-1]["type"] == "response.incomplete"  # it still streams to its end
+    assert http("GET", f"{url}/{response_id}")[0] == 404  # ... and the delete holds
+
+    raw.send({"type": "response.create", "input": "Hello", "max_output_tokens": 2})
+    response_id = raw_until_final(raw)[-1]["response"]["id"]
+    status, _, kept = http("GET", f"{url}/{response_id}")
+    assert status == 200 and kept["status"] in ("completed", "incomplete") and kept["output"]
+
+
+def test_a_socket_that_closes_forgets_its_responses_in_progress(server):
+    url = server.url + "/v1/responses"
+    ws = WsClient(_socket_url(server))
+    ws.send({"type": "response.create", "input": "Hello", "max_output_tokens": 500, "ignore_eos": True})
+    response_id = ws.recv()["response"]["id"]
+    assert http("GET", f"{url}/{response_id}")[2]["status"] == "in_progress"
+    ws.close()
+    wait_until(lambda: http("GET", f"{url}/{response_id}")[0] == 404, timeout=30,
+               what="the cancelled response forgotten")
