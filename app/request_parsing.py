@@ -309,18 +309,22 @@ def messages_field(body: dict) -> list[dict]:
 
 
 def check_conversation(plain: list[dict], name: str) -> None:
-    """Plain {role, content} messages a chat template can take: Unicode text, and something from the user."""
+    """Plain {role, content} messages a chat template can take: Unicode text, and some text in one of them (any
+    role: a system message alone is a prompt, as OpenAI's and vLLM's servers take it)."""
     for index, message in enumerate(plain):
         check_encodable(message["content"], name, f"{name}[{index}].content")
-    if not any(m["content"].strip() for m in plain if m["role"] == "user"):
-        raise InvalidRequest(f"{name} need at least one non-empty user message", name)
+    if not any(m["content"].strip() for m in plain):
+        raise InvalidRequest(f"{name} need at least one message with text (not only whitespace)", name)
 
 
 def _plain_message(message, index: int) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in ROLES:
-        if isinstance(message, dict) and message.get("role") == "tool":
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
             raise unsupported_field("messages", f"{where}: tool messages are not supported (no tool calls here)")
+        if isinstance(role, str):
+            raise InvalidRequest(f"{where}.role {shown_name(role)!r} is not one of {', '.join(ROLES)}", "messages")
         raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and a content; {where} has none",
                              "messages")
     for name, value in message.items():

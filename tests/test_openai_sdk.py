@@ -77,6 +77,18 @@ def hf_server(smol_server):
 
 
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+def test_a_system_message_alone_is_a_prompt_and_a_wrong_role_is_named(sdk_server):
+    client = sdk(sdk_server)
+    instruction = "Write one sentence about the sea."
+    for messages in ([{"role": "system", "content": instruction}], [{"role": "developer", "content": instruction}],
+                     [{"role": "system", "content": instruction}, {"role": "user", "content": " "}]):
+        answer = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, **GREEDY)
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "USER", "content": "Hi"}], max_tokens=2)
+    assert "'USER' is not one of" in refused.value.message
+
+
 COMPLETION = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -86,6 +98,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("chat", {"temperature": "hot"}, "invalid_value", "temperature"),
     ("chat", {"messages": []}, "invalid_value", "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value", "messages"),
+    ("chat", {"messages": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]}, "invalid_value",
+     "messages"),
     ("chat", {"tools": [TOOL]}, "unsupported_field", "tools"),
     ("chat", {"tool_choice": "auto"}, "unsupported_field", "tool_choice"),
     ("chat", {"functions": [TOOL["function"]]}, "unsupported_field", "functions"),
