@@ -261,6 +261,7 @@ def _echoed_fields(body: dict) -> dict:
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_tokens"),
             "metadata": metadata_field(body.get("metadata")), "previous_response_id": body.get("previous_response_id"),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto",  # OpenAI's default; no tools, so nothing is called
             "user": _user(body.get("user"))}
 
 
@@ -277,20 +278,21 @@ def response_object(turn: Turn, output: RequestOutput | None, item_id: str | Non
     fields = turn.fields
     return {
         "id": turn.response_id, "object": "response", "created_at": turn.created_at,
+        "completed_at": int(time.time()) if _status(output) == "completed" else None,
         "status": _status(output), "background": False, "error": _error(output),
         "incomplete_details": _incomplete_details(output), "instructions": fields["instructions"],
         "max_output_tokens": fields["max_output_tokens"], "metadata": fields["metadata"],
         "model": lockstep().model_name, "output": [output_message(output, item_id)] if _has_message(output) else [],
         "parallel_tool_calls": False, "previous_response_id": fields["previous_response_id"],
         "reasoning": {"effort": None, "summary": None}, "store": turn.store,
-        "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": "none", "tools": [],
+        "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": fields["tool_choice"], "tools": [],
         "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
         "user": fields["user"],
     }
 
 
 def in_progress_object(turn: Turn) -> dict:
-    return {**response_object(turn, None), "status": "in_progress", "usage": None}
+    return {**response_object(turn, None), "status": "in_progress", "completed_at": None, "usage": None}
 
 
 def output_message(output: RequestOutput | None, item_id: str | None, text: str | None = None) -> dict:

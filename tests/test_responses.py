@@ -40,6 +40,7 @@ def test_create_retrieve_and_delete(client):
     [message] = made.output
     assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
     assert made.status == message.status == ("completed" if made.usage.output_tokens < 40 else "incomplete")
+    assert (made.completed_at is not None) == (made.status == "completed") and made.tool_choice == "auto"
     usage = made.usage
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens and 0 < usage.output_tokens <= 40
     assert usage.input_tokens_details.cached_tokens == 0
@@ -124,7 +125,7 @@ def test_unimplemented_fields_are_refused_by_name(server, field, value):
 def test_values_that_ask_for_nothing_are_accepted(client):
     made = client.responses.create(model="smollm2", input="Hi", max_output_tokens=1, tools=[], tool_choice="none",
                                    truncation="disabled", parallel_tool_calls=False, include=[], reasoning=None)
-    assert made.status in ("completed", "incomplete")
+    assert made.status in ("completed", "incomplete") and made.tool_choice == "none"  # as asked
 
 
 def test_stream_over_http_points_to_the_websocket(client):
