@@ -1,9 +1,9 @@
 """One error shape for REST and WebSocket, and the one place engine errors become statuses and codes."""
 import logging
 
-from flask import jsonify
+from flask import has_request_context, jsonify, request
 from gunicorn.http.errors import ParseException as GunicornParseError
-from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, NotFound
 
 from engine import (BackendUnavailable, DeadlineExceeded, EngineError, InvalidRequest, NotReady, Overloaded,
                     RequestFailed, ShuttingDown, WorkerBusy, WorkerFailed)
@@ -107,7 +107,10 @@ def register_error_handlers(app) -> None:
 def _http_error(exc: HTTPException):
     code = (exc.name or "error").lower().replace(" ", "_")
     type_ = "server_error" if (exc.code or 500) >= 500 else "invalid_request_error"
-    response = error_response(ApiError(exc.code or 500, exc.description or exc.name, code, type_=type_))
+    message = exc.description or exc.name
+    if isinstance(exc, NotFound) and has_request_context():  # e.g. an OpenAI route this server does not serve
+        message = f"{request.method} {request.path[:200]} is not served here (its routes: /openapi.json)"
+    response = error_response(ApiError(exc.code or 500, message, code, type_=type_))
     if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
         response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
     return response

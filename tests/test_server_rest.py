@@ -128,6 +128,9 @@ def test_unreadable_bodies(server, raw, content_type, status, code):
 
 def test_unknown_route_and_method_are_json_errors(server):
     assert http("GET", server.url + "/nope")[2]["error"]["code"] == "not_found"
+    # an OpenAI route this server does not serve is named (the SDK's responses.input_items.list)
+    error = http("GET", server.url + "/v1/responses/resp_1/input_items")[2]["error"]
+    assert error["code"] == "not_found" and error["message"].startswith("GET /v1/responses/resp_1/input_items is not")
     status, _, body = http("GET", server.url + "/basic_generate")
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
 
