@@ -19,7 +19,9 @@ ROLE_AS = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_MESSAGES = 256
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_PARAM_CHARS = 64  # a field name echoed back in an error (names are the client's: keep them short)
-STREAM_HINT = "streaming is served over the WebSocket at /ws (see the README); send \"stream\": false or omit it"
+STREAM_HINT = ("streaming is served over WebSocket: OpenAI clients through the Responses API's WebSocket mode "
+               "(ws://HOST/v1/responses; the official SDK: client.responses.connect()), others at /ws (see the "
+               "README); send \"stream\": false or omit it")
 
 # What the engine's SamplingParams reads (including what the sampling and JSON-mode work adds), on every endpoint.
 SAMPLING = frozenset({

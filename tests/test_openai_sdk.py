@@ -161,7 +161,7 @@ def test_stream_true_is_refused_with_a_pointer_to_the_websocket(hf_server):
     with pytest.raises(openai.BadRequestError) as refused:
         sdk(hf_server).chat.completions.create(stream=True, **CHAT)
     assert (refused.value.code, refused.value.param) == ("unsupported_field", "stream")
-    assert "/ws" in refused.value.message
+    assert "/ws" in refused.value.message and "client.responses.connect()" in refused.value.message
 
 
 def test_informational_and_unused_fields_are_accepted(hf_server):
