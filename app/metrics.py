@@ -54,14 +54,15 @@ class ServerMetrics(RequestObserver):
 
     def on_finish(self, seq, output) -> None:
         self.requests.labels(output.finish_reason.value).inc()
-        self.prompt_tokens.inc(output.usage.prompt_tokens)
         self.generation_tokens.inc(output.usage.completion_tokens)
-        if self._prefix_cache_on():
+        self.e2e.observe(output.timings.e2e_s)
+        if seq.scheduled_time is None:  # cancelled or expired while it waited: the model never read its prompt
+            return
+        self.queue_time.observe(seq.scheduled_time - seq.arrival_time)
+        self.prompt_tokens.inc(output.usage.prompt_tokens)
+        if self._prefix_cache_on() and seq.sampling.prompt_logprobs is None:  # echo computes every position
             self.prefix_queries.inc(output.usage.prompt_tokens)
             self.prefix_hits.inc(output.usage.cached_tokens)
-        self.e2e.observe(output.timings.e2e_s)
-        if seq.scheduled_time is not None:
-            self.queue_time.observe(seq.scheduled_time - seq.arrival_time)
 
     def on_worker_restart(self) -> None:
         self.worker_restarts.inc()
