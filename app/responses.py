@@ -285,8 +285,8 @@ def response_object(turn: Turn, output: RequestOutput | None, item_id: str | Non
         "model": lockstep().model_name, "output": [output_message(output, item_id)] if _has_message(output) else [],
         "parallel_tool_calls": False, "previous_response_id": fields["previous_response_id"],
         "reasoning": {"effort": None, "summary": None}, "store": turn.store,
-        "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": fields["tool_choice"], "tools": [],
-        "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
+        "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": fields["tool_choice"],
+        "tools": [], "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
         "user": fields["user"],
     }
 

@@ -14,8 +14,8 @@ name the one before it while that still runs; different lanes run at once. At mo
 per socket (past that: `response_already_in_flight`). The socket remembers its last responses for
 previous_response_id (also those with store: false); stored ones resolve anywhere, and are stored from their
 start, in progress (a GET shows them so; a DELETE meanwhile wins). Closing the socket cancels its responses and
-forgets those still in progress. The socket itself (key from the handshake, origins, socket cap, idle close, frame limit,
-drain) is app/sockets.py's and app/socket_session.py's, as for /ws; the route is app/responses_ws.py.
+forgets those still in progress. The socket itself (key from the handshake, origins, socket cap, idle close,
+frame limit, drain) is app/sockets.py's and app/socket_session.py's, as for /ws; the route is app/responses_ws.py.
 """
 import json
 import logging
@@ -181,8 +181,8 @@ class ResponsesSession(SocketSession):
         response = response_object(running.turn, output, running.item_id)
         if output.finish_reason is not FinishReason.ERROR:
             self._emit_text_done(running, output)
+        self._remember(running.turn, response, started=True)  # first: a GET on the final event finds it final
         self._emit(running, FINAL_EVENTS[response["status"]], response=response)
-        self._remember(running.turn, response, started=True)
         logger.info("ws response %s finish=%s tokens=%d e2e_ms=%.0f", running.turn.response_id,
                     output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
         self._start_waiting(running.lane)

@@ -14,7 +14,8 @@ from engine.messages import (EchoResult, EchoTask, ModelInfo, NewRequest, Shutdo
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
     ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"stop": [1]}, "stop"), ({"stop": ["a"] * 9}, "stop"), ({"stop": [""]}, "stop"),
-    ({"seed": -2**63 - 1}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": 1.5}, "seed"), ({"max_tokens": True}, "max_tokens"),
+    ({"seed": -2**63 - 1}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"max_tokens": True}, "max_tokens"),
 ])
 def test_bad_sampling_fields_name_the_field(body, param):
     with pytest.raises(InvalidRequest) as info:
