@@ -74,6 +74,12 @@ def test_every_signed_64_bit_seed_is_taken_and_reproducible(seed):
     assert draws(sample_index=1) != draws()  # the next sample, seed + 1, past either end of the range too
 
 
+def test_a_tiny_temperature_acts_greedy_instead_of_overflowing():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 30
+    sampler = TokenSampler(WorkerSampling(1e-40, seed=1), torch.device("cpu"))
+    assert sampler(logits) == int(logits.argmax())
+
+
 @pytest.mark.parametrize("message", [
     StepTask(1, (NewRequest("r", (1, 2), WorkerSampling(0.5, 0.9, 3, 4, 5)),), ("x",)), EchoTask(2, "p"),
     ShutdownTask(), StepResult(1, StepOutput({"r": (5,)}, {"q": "boom"})), EchoResult(2, "p"), WorkerFailure(3, "boom"),
