@@ -1,7 +1,7 @@
 """One error shape for REST and WebSocket, and the one place engine errors become statuses and codes."""
 import logging
 
-from flask import has_request_context, jsonify, request
+from flask import jsonify, request
 from gunicorn.http.errors import ParseException as GunicornParseError
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, NotFound
 
@@ -108,7 +108,7 @@ def _http_error(exc: HTTPException):
     code = (exc.name or "error").lower().replace(" ", "_")
     type_ = "server_error" if (exc.code or 500) >= 500 else "invalid_request_error"
     message = exc.description or exc.name
-    if isinstance(exc, NotFound) and has_request_context():  # e.g. an OpenAI route this server does not serve
+    if isinstance(exc, NotFound):  # e.g. an OpenAI route this server does not serve (a handler: in a request)
         message = f"{request.method} {request.path[:200]} is not served here (its routes: /openapi.json)"
     response = error_response(ApiError(exc.code or 500, message, code, type_=type_))
     if isinstance(exc, MethodNotAllowed) and exc.valid_methods:

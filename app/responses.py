@@ -275,11 +275,11 @@ def _user(value) -> str | None:
 
 def response_object(turn: Turn, output: RequestOutput | None, item_id: str | None = None) -> dict:
     """The response as OpenAI shapes it; `output` None: still in progress (or, for a warm-up, nothing made)."""
-    fields = turn.fields
+    fields, status = turn.fields, _status(output)
     return {
         "id": turn.response_id, "object": "response", "created_at": turn.created_at,
-        "completed_at": int(time.time()) if _status(output) == "completed" else None,
-        "status": _status(output), "background": False, "error": _error(output),
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "status": status, "background": False, "error": _error(output),
         "incomplete_details": _incomplete_details(output), "instructions": fields["instructions"],
         "max_output_tokens": fields["max_output_tokens"], "metadata": fields["metadata"],
         "model": lockstep().model_name, "output": [output_message(output, item_id)] if _has_message(output) else [],

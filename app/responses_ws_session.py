@@ -135,10 +135,11 @@ class ResponsesSession(SocketSession):
                            client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt)
         running.item_id = f"msg_{uuid.uuid4().hex}"
         self.streams[request_id] = running
+        in_progress = in_progress_object(turn)
         if turn.store:
-            self.state.responses.put(StoredResponse.of(in_progress_object(turn), ()))
-        self._emit(running, "response.created", response=in_progress_object(turn))
-        self._emit(running, "response.in_progress", response=in_progress_object(turn))
+            self.state.responses.put(StoredResponse.of(in_progress, ()))
+        self._emit(running, "response.created", response=in_progress)
+        self._emit(running, "response.in_progress", response=in_progress)
         self._emit(running, "response.output_item.added", output_index=0, item=output_message(None, running.item_id))
         self._emit(running, "response.content_part.added", **running.text_ref, part=output_text_part(""))
 
@@ -206,9 +207,11 @@ class ResponsesSession(SocketSession):
         self.transport.send_text(text)
 
     def _remember(self, turn: Turn, response: dict, started: bool = False) -> None:
-        """`started`: the server's store has held it in progress since it started."""
-        stored = [self.state.responses] if turn.store else []
-        remember(turn, response, [self.recent] + ([] if started else stored), completes=stored if started else [])
+        shared = [self.state.responses] if turn.store else []
+        if started:  # the server's store has held it in progress since it started
+            remember(turn, response, [self.recent], completes=shared)
+        else:
+            remember(turn, response, [self.recent, *shared])
 
     def cancel_all(self) -> None:
         """The socket closes: its responses are cancelled, and those stored in progress forgotten (as a REST
