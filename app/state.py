@@ -84,6 +84,7 @@ class AppState:
                 "max_model_len": engine.max_model_len or None, "max_batch_size": engine.config.max_batch_size,
                 "max_batch_kv_tokens": (info.kv_budget_tokens if info else 0) or engine.config.max_batch_kv_tokens,
                 "kv_budget_reason": info.kv_budget_reason if info else None,
+                "kv_per_row": info.kv_per_row if info else None,  # the budget bounds the rows' sum, else rows x longest
                 "policy": engine.config.policy, "ready": engine.is_ready,
                 # Limits a client should know, served so that the page does not repeat them.
                 "max_stop_strings": engine.config.max_stop_strings, "max_stop_length": MAX_STOP_LENGTH,

@@ -130,6 +130,7 @@ class EngineCore:
         try:
             self.info = self.executor.start()
             self.load_error = None
+            self.scheduler.kv_per_row = self.info.kv_per_row
             if self.info.kv_budget_tokens:  # what the worker's memory holds (a limit may have lowered it)
                 self.scheduler.max_batch_kv_tokens = self.info.kv_budget_tokens
                 context = self.info.max_model_len

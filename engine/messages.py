@@ -187,6 +187,9 @@ class ModelInfo:
     prefix_cache: bool = False  # whether prompts resume from cached prefixes (hf: prefix_cache.py; vLLM: its own)
     kv_budget_tokens: int = 0  # positions of keys and values the batch may hold (0: the configured budget)
     kv_budget_reason: str = ""  # why the budget (and max_model_len) is less than configured: what memory leaves
+    # How the batch holds keys and values: True, each row its own (the budget bounds the sum of the rows' prompt and
+    # answer tokens); False, padded to the longest row (rows x the longest).
+    kv_per_row: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ builds its final output afterwards, then `release`s it.
 
 Admission: the policy says when the batch takes new sequences (AdmissionPolicy), each client may
 hold at most `max_queue_per_client` waiting requests and slots go round-robin across clients
-(ClientFairness), a request's samples go in together (GroupReservations), and the worker's padded
-batch (rows x longest row tokens) stays within `max_batch_kv_tokens`. A request past its deadline
-fails with deadline_exceeded, waiting or running.
+(ClientFairness), a request's samples go in together (GroupReservations), and the worker's keys and
+values stay within `max_batch_kv_tokens`: the sum of the rows' prompt and answer tokens where each row
+holds its own (`kv_per_row`, the 4-bit path), else rows x the longest row (a batch padded to it). A
+request past its deadline fails with deadline_exceeded, waiting or running.
 """
 import threading
 import time
@@ -125,6 +126,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_queue_per_client = max_queue_per_client or max_queue
         self.max_batch_kv_tokens = max_batch_kv_tokens or float("inf")
+        self.kv_per_row = False  # the worker's say (ModelInfo.kv_per_row): see `_fits_kv_budget`
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}  # until released: the final output is delivered
@@ -292,12 +294,15 @@ class Scheduler:
                                       and (not reserving or s.group_id in reserving)), self.running)
 
     def _fits_kv_budget(self, group: list[Sequence]) -> bool:
-        """The worker's batch is left-padded to its longest row, so its KV cache holds (rows x longest) tokens:
-        admit only while that stays within `max_batch_kv_tokens` (a request alone always fits)."""
+        """Admit only while the worker's keys and values stay within `max_batch_kv_tokens` (a request alone always
+        fits): each row's own prompt and answer where rows keep their own caches, else (a batch padded to its
+        longest row) rows x the longest."""
         if not self.running:
             return True
-        longest = max(s.max_num_tokens for s in [*self.running, *group])
-        return (len(self.running) + len(group)) * longest <= self.max_batch_kv_tokens
+        batch = [*self.running, *group]
+        if self.kv_per_row:
+            return sum(s.max_num_tokens for s in batch) <= self.max_batch_kv_tokens
+        return len(batch) * max(s.max_num_tokens for s in batch) <= self.max_batch_kv_tokens
 
     def _mark_finished(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> Finished:
         was_running = seq.status is SequenceStatus.RUNNING

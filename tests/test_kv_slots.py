@@ -140,3 +140,26 @@ def test_no_spare_slot_past_the_kv_budget_and_the_storage_regrows_a_layer_at_a_t
                for t in tight.keys + tight.values)
     row = (torch.ones((1, 1, 10, 2)), torch.ones((1, 1, 10, 2)))
     assert tight.add_row([row] * 3, length=10) == 1 and tight.num_slots == 2  # a second row always gets its slot
+
+
+def test_a_long_request_leaves_room_for_short_ones_beside_it(smol_model_dir):
+    """The embedded model's 4-bit path keeps each row's keys and values on their own (kv_cache.RowKVCache), so the KV
+    budget bounds their sum: short requests sent while a long one runs join it and end while it goes on. Padded to
+    the long row (2 x 2,600 > 4,096) each would have waited for its end (docs/deployment.md measured 25 s)."""
+    from engine import LLMEngine, SamplingParams
+    from engine.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=smol_model_dir, max_batch_kv_tokens=4096, max_batch_size=8)).start()
+    try:
+        assert engine.info.kv_per_row and engine.info.kv_budget_tokens == 4096
+        long = engine.submit(prompt_token_ids=prompt(1600, 1), sampling=SamplingParams(max_tokens=1000,
+                                                                                        ignore_eos=True))
+        next(long.events())  # it decodes
+        shorts = [engine.submit(prompt_token_ids=prompt(40, salt), sampling=SamplingParams(max_tokens=8,
+                                                                                           ignore_eos=True))
+                  for salt in range(2, 8)]  # 6 x 48 more: 2,888 in all
+        assert [short.result(timeout=600).usage.completion_tokens for short in shorts] == [8] * 6
+        assert engine.num_running == 1  # the long one, 1,000 tokens to go when they came
+        long.cancel()
+    finally:
+        engine.shutdown()

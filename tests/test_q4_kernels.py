@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine import hardware
 from engine.backends.fast_forward import FastDecoder
 from engine.backends.hf import HFBackend
-from engine.backends.kv_cache import SlotKVCache, use_slot_attention
+from engine.backends.kv_cache import RowKVCache, SlotKVCache, use_slot_attention
 from engine.backends.q4 import (BLOCK_BYTES, FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Weights,
                                SlotTables, QuantizedWeight, KEY_BLOCK, error_bound, key_positions, load_q4_kernels)
 from engine.config import EngineConfig, default_cache_dir
@@ -192,6 +192,49 @@ def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_
     position_ids, mask = cache.prepare_decode()
     logits = decoder.decode(torch.tensor([[int(ids[60])], [7]]), position_ids, mask, cache)
     assert torch.equal(logits[0], whole[60])
+
+
+@torch.inference_mode()
+def test_rows_in_caches_of_their_own_decode_the_bits_of_one_padded_cache(kernels, gguf_model):
+    """The backend's batch on this path (RowKVCache): each row decodes in its prompt's own cache, a fork in a copy,
+    one row past what it reserved in a larger one. Step by step, rows joining and leaving, every row's logits are
+    the bits of the padded cache (SlotKVCache), while it holds the sum of the rows' positions, not rows x the longest."""
+    model, weights = gguf_model
+    decoder = FastDecoder(model, q4=(kernels, weights))
+    config, ids = model.config, torch.tensor(model_tokens(TEXT))
+    padded = SlotKVCache(config.num_hidden_layers, config.num_key_value_heads, decoder.head_dim, kernels.kv_dtype,
+                         torch.device("cpu"))
+    own = RowKVCache()
+    tokens = []
+    for start, length, answer in ((0, 61, 30), (2, 93, 3), (40, 17, 30)):  # the second outgrows its 96 positions
+        prompt = decoder.new_prompt_cache(length + answer)
+        decoder.prefill(ids[start:start + length], 0, prompt)
+        padded.add_row([(layer.keys, layer.values) for layer in prompt.layers], length)
+        own.add_row(prompt, length)
+        tokens.append(int(ids[start + length]))
+    padded.add_row([(keys, values) for keys, values in zip(own.rows[2].keys, own.rows[2].values)], 17)
+    own.add_row(own.rows[2].copy(17), 17)  # a fork: n > 1
+    tokens.append(tokens[2])
+
+    def step(tokens: list[int]) -> list[int]:
+        input_ids = torch.tensor(tokens)[:, None]
+        got = decoder.decode(input_ids, own.prepare_decode()[0], None, own)
+        expected = decoder.decode(input_ids, *padded.prepare_decode(), padded)
+        own.finish_decode(), padded.finish_decode()
+        assert torch.equal(got, expected)
+        return got.argmax(dim=-1).tolist()
+
+    for _ in range(12):
+        tokens = step(tokens)
+    assert own.reallocations == 1 and own.rows[1].capacity == 128 and own.lengths == padded.lengths
+    assert own.positions == sum(row.capacity for row in own.rows) < padded.positions
+    moves = own.remove_rows({0, 2})
+    assert moves == padded.remove_rows({0, 2}) == [(3, 0)]
+    tokens = [tokens[3], tokens[1]]
+    for _ in range(4):
+        tokens = step(tokens)
+    assert own.shrink() == 96 + 48  # the rows that left: 91 and 47 positions reserved, in whole key blocks
+    assert own.positions == sum(row.capacity for row in own.rows) and own.num_rows == 2
 
 
 def test_prompts_fed_together_compute_what_each_computes_alone(kernels, gguf_model):

@@ -139,6 +139,23 @@ def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_s
     assert [r.request_id for r in plan.new_requests] == ["long", "short-late"]
 
 
+def test_rows_that_keep_their_own_caches_count_only_their_own_tokens():
+    """The 4-bit path (ModelInfo.kv_per_row): the budget bounds the sum of the rows' prompt and answer tokens, so a
+    long request leaves room to the short ones the padded count would hold back; past the sum one waits."""
+    manager = make_core(max_batch_size=8, max_batch_kv_tokens=1000)
+    info = ModelInfo("m", "hf", "float32", "cpu", max_model_len=500, eos_token_ids=(0,), kv_per_row=True)
+    manager.executor = RestartedWorker(info)
+    assert manager._start_worker() and manager.scheduler.kv_per_row
+    for request_id, prompt, answer in (("long", 300, 100), *((f"short-{i}", 40, 60) for i in range(4)),
+                                       ("long-2", 300, 100)):
+        manager.add_states([make_long_seq(request_id, prompt, answer)])
+    plan = manager.schedule(timeout=0)  # 400 + 4 x 100 = 800; another 400 would be 1200
+    assert [r.request_id for r in plan.new_requests] == ["long", *(f"short-{i}" for i in range(4))]
+    manager.abort("short-0")
+    manager.abort("short-1")
+    assert [r.request_id for r in manager.schedule(timeout=0).new_requests] == ["long-2"]  # 1000: fits, just
+
+
 def test_a_request_whose_last_text_fails_fails_alone():
     """The flush at its end raises (a tokenizer bug): that request gets its error, the step goes on, and nothing is
     finished twice (which was a KeyError out of postprocess: every running request failed, this one never heard)."""

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .bf16 import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
-from .kv_cache import SlotKVCache, one_query_attention
+from .kv_cache import RowKVCache, SlotKVCache, one_query_attention
 from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,6 @@ class FastDecoder:
 
     def __init__(self, model: nn.Module, kernels: Bf16Kernels | None = None, share_matmuls_rows: int = 0,
                  whole_step_in_c: bool = True, q4: tuple[Q4Kernels, Q4Weights] | None = None):
-        self._decode_tables: tuple[tuple, SlotTables] | None = None  # see _slot_tables
         if q4 is not None:
             self._init_q4(model, *q4)
             return
@@ -166,7 +165,8 @@ class FastDecoder:
                                 epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config, kernels)
 
     def new_prompt_cache(self, num_tokens: int) -> PromptCache | DynamicCache:
-        """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout, or transformers' cache."""
+        """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout (`num_tokens` positions: the
+        prompt and its answer, as the row it becomes decodes in it), or transformers' cache."""
         if self.q4 is None:
             return DynamicCache()
         return PromptCache(self.q4_stack.num_layers, self.num_kv_heads, num_tokens, self.head_dim, self.q4.kv_dtype)
@@ -192,12 +192,13 @@ class FastDecoder:
                 and model.lm_head.bias is None and (any_dtype or _can_pack(model.lm_head.weight)))
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-               cache: SlotKVCache) -> torch.Tensor:
+               cache: SlotKVCache | RowKVCache) -> torch.Tensor:
         """One token per row: input_ids and position_ids [B, 1], attention_mask [B, 1, 1, capacity] from
-        `cache.prepare_decode`. Returns the logits [B, V]."""
+        `cache.prepare_decode`. Returns the logits [B, V]. The 4-bit path reads either cache (RowKVCache: its
+        own), the others a SlotKVCache."""
         if self.q4 is not None:
             return self._q4_rows(input_ids[:, 0], position_ids[:, 0].contiguous(), cache.step_slots,
-                                 self._slot_tables(cache), torch.arange(len(input_ids)))
+                                 cache.slot_tables(), torch.arange(len(input_ids)))
         hidden = self.embed[input_ids[:, 0]]  # [B, hidden]
         cos, sin = self.rotary(hidden, position_ids)  # [B, 1, head_dim], the model's dtype
         if self.stack is not None:
@@ -233,14 +234,6 @@ class FastDecoder:
             hidden = hidden[-1:]
         logits = self.lm_head(self.final_norm(hidden))
         return logits if all_positions else logits[0]
-
-    def _slot_tables(self, cache: SlotKVCache) -> SlotTables:
-        """The batch cache's slot tables, made again only when its tensors change (they cost ~80 us, 1% of a
-        one-row step)."""
-        key = (tuple(t.data_ptr() for t in (*cache.keys, *cache.values)), cache.keys[0].shape)
-        if self._decode_tables is None or self._decode_tables[0] != key:
-            self._decode_tables = key, SlotTables([(cache.keys, cache.values)])
-        return self._decode_tables[1]
 
     @property
     def prefills_together(self) -> bool:

@@ -34,7 +34,7 @@ from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
-from .kv_cache import SlotKVCache, kv_budget_within, use_slot_attention
+from .kv_cache import RowKVCache, SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
 from .q4 import Q4Kernels, Q4Weights, empty_float32_model, load_q4_kernels
 from .sampler import TokenSampler, add_prompt_logprobs, samplers_for
@@ -121,7 +121,8 @@ class HFBackend(Backend):
             self.compute_reason += "; without the fast forward, the model's own on the same weights in float32"
         del q4  # the GGUF's blocks as read (the kernels keep their own layout): freed before memory is measured
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
-        self.cache: SlotKVCache | None = None  # made when the first row joins, from its cache's shapes
+        # made when the first row joins: each row its own on the 4-bit path, else one padded tensor per layer
+        self.cache: RowKVCache | SlotKVCache | None = None
         self.prefills: deque[Prefill] = deque()
         self.joining: list[tuple[Prefill, list[Row]]] = []  # prompts done this step; their rows join after decode
         self.skipped_decode = False  # the last step returned first tokens without decoding the rows
@@ -132,7 +133,8 @@ class HFBackend(Backend):
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
             eos_token_ids=_eos_token_ids(self.model), compute=self._forward_name(),
             weights="q4_1" if self.fast_decoder is not None and self.fast_decoder.q4 is not None else "",
-            compute_reason=f"{host.describe()}: {self.compute_reason}", prefix_cache=self.prefix_cache is not None)
+            compute_reason=f"{host.describe()}: {self.compute_reason}", prefix_cache=self.prefix_cache is not None,
+            kv_per_row=self.kv_per_row)
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "
@@ -148,6 +150,11 @@ class HFBackend(Backend):
         """Whether a prompt's numbers do not depend on how it is chunked (the 4-bit path computes a chunk as decode
         steps): then chunks may follow the clock, and a prompt may resume from cached blocks."""
         return self.fast_decoder is not None and self.fast_decoder.q4 is not None
+
+    @property
+    def kv_per_row(self) -> bool:
+        """Whether each row decodes in its prompt's own cache (RowKVCache): the 4-bit kernels find rows by address."""
+        return self.chunks_compute_alike
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -178,7 +185,7 @@ class HFBackend(Backend):
         if budget.reason:
             logger.warning("KV budget: %s", budget.reason)
         self.kv_budget_tokens = budget.positions
-        if self.cache is not None:  # the warm-up's
+        if isinstance(self.cache, SlotKVCache):  # the warm-up's
             self.cache.max_positions = budget.positions
         self.info = replace(self.info, max_model_len=budget.context, kv_budget_tokens=budget.positions,
                             kv_budget_reason=budget.reason)
@@ -289,7 +296,7 @@ class HFBackend(Backend):
         (up to their own bound): a full batch squeezes the cache, never the other way round."""
         if self.prefix_cache is None:
             return
-        used = self.cache.num_slots * self.cache.capacity if self.cache is not None else 0
+        used = self.cache.positions if self.cache is not None else 0
         used += sum(len(prefill.request.prompt_token_ids) for prefill in self.prefills)
         self.prefix_cache.fit(self.kv_budget_tokens - used)
 
@@ -306,8 +313,8 @@ class HFBackend(Backend):
             output.failed.update(dict.fromkeys(request.all_sample_ids, describe(exc)))
             return
         echo = PromptLogprobs() if request.sampling.prompt_logprobs is not None else None
-        cache = self.fast_decoder.new_prompt_cache(len(request.prompt_token_ids)) if self.fast_decoder is not None \
-            else DynamicCache()
+        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens  # the row decodes in it (4-bit path)
+        cache = self.fast_decoder.new_prompt_cache(num_tokens) if self.fast_decoder is not None else DynamicCache()
         prefill = Prefill(request, samplers, cache, prompt_logprobs=echo)
         if self.prefix_cache is not None and echo is None:  # echo needs every prompt position's logits
             blocks = self.prefix_cache.lookup(request.prompt_token_ids, request.cache_salt)
@@ -502,7 +509,15 @@ class HFBackend(Backend):
         self.seconds_per_cost_unit = measured if previous is None else 0.7 * previous + 0.3 * measured
 
     def _join_batch(self, prefill: Prefill, rows: list[Row]) -> None:
-        """Each row (a sample; n > 1 forks) gets a slot holding its copy of the one prefilled prompt."""
+        """Each row (a sample; n > 1 forks) gets a slot holding its copy of the one prefilled prompt; on the 4-bit
+        path the first takes the prompt's cache itself (sized for its answer), the others a copy."""
+        if self.kv_per_row:
+            self.cache = self.cache if self.cache is not None else RowKVCache()
+            for fork, row in enumerate(rows):
+                self.cache.add_row(prefill.cache.copy(prefill.num_computed) if fork else prefill.cache,
+                                   prefill.num_computed)
+                self.rows.append(row)
+            return
         layers = _kv(prefill.cache)
         if self.cache is None:
             _, num_kv_heads, _, head_dim = layers[0][0].shape

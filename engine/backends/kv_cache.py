@@ -1,4 +1,7 @@
-"""A preallocated, slot-based KV cache for the decoding batch, and the attention that reads it.
+"""The decoding batch's KV caches, and the attention that reads them. On the 4-bit path (the default on CPU) each row
+keeps its own (RowKVCache: the batch holds the sum of its rows' lengths); elsewhere the slot cache below, padded.
+
+A preallocated, slot-based KV cache for the decoding batch, and the attention that reads it.
 
 Each decoding row owns a slot: per layer, keys and values live in one tensor
 [slots, kv_heads, capacity, head_dim] that a decode step writes in place (one indexed store per
@@ -26,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .q4 import KEY_BLOCK
+from .q4 import KEY_BLOCK, PromptCache, SlotTables
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,7 @@ class SlotKVCache(Cache):
         self._step_rows = 0  # rows the current decode step computes (padding rows included)
         self._step_index: torch.Tensor | None = None  # [step rows]: slot of each input row
         self._step_positions: torch.Tensor | None = None  # [step rows]: where each row's new token goes
+        self._tables: tuple[tuple, SlotTables] | None = None  # see `slot_tables`
 
     @property
     def num_rows(self) -> int:
@@ -108,6 +112,19 @@ class SlotKVCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
+    def positions(self) -> int:
+        """Positions of keys and values held: every slot's whole capacity (the KV budget's count)."""
+        return self.num_slots * self.capacity
+
+    def slot_tables(self) -> SlotTables:
+        """Where the 4-bit kernels find each slot, made again only when the storage changes (~80 us, 1% of a
+        one-row step)."""
+        key = (tuple(t.data_ptr() for t in (*self.keys, *self.values)), self.keys[0].shape)
+        if self._tables is None or self._tables[0] != key:
+            self._tables = key, SlotTables([(self.keys, self.values)])
+        return self._tables[1]
 
     def add_row(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> int:
         """Copy one sequence's cache (per layer [1, kv_heads, >= length, head_dim], length >= 1) into the
@@ -222,6 +239,95 @@ class SlotKVCache(Cache):
                 if stored[layer] is not None:
                     fresh[:rows, :, :kept] = stored[layer][:rows, :, :kept]
                 stored[layer] = fresh
+
+
+class RowKVCache:
+    """The decoding batch's keys and values on the 4-bit path: each row keeps its prompt's own cache (q4.PromptCache,
+    sized for the prompt and its answer when the prompt arrives), and the kernels find each row through a table of
+    addresses, attending to that row's own positions. The batch then holds the sum of its rows' lengths, not rows x
+    the longest (SlotKVCache's one tensor): one long request leaves the KV budget to many short ones beside it. A row
+    joins with its prompt's cache as it is (a fork of n > 1 copies it) and leaves by dropping it: nothing is copied
+    per step or when another row comes or goes.
+
+    The same interface as SlotKVCache where the backend uses it; rows are never padded (the 4-bit kernels compute
+    each row as it is alone), so no mask and no padding rows."""
+
+    def __init__(self):
+        self.rows: list[PromptCache] = []
+        self.lengths: list[int] = []  # tokens cached per row
+        self.reallocations = 0  # rows that outgrew what their prompt reserved (copied into a larger cache)
+        self._freed = 0  # positions the rows that left held, since `shrink` last said
+        self._tables: SlotTables | None = None  # made when the rows change
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    num_slots = num_rows
+
+    @property
+    def capacity(self) -> int:
+        return max((row.capacity for row in self.rows), default=0)
+
+    @property
+    def positions(self) -> int:
+        return sum(row.capacity for row in self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for row in self.rows for t in (row.all_keys, row.all_values))
+
+    def add_row(self, cache: PromptCache, length: int) -> int:
+        """The row takes `cache` (its first `length` positions filled) as its own; returns the row's index."""
+        self.rows.append(cache)
+        self.lengths.append(length)
+        self._tables = None
+        return self.num_rows - 1
+
+    def row_views(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `row`'s keys and values per layer, [kv_heads, capacity, head_dim] views."""
+        return [(keys[0], values[0]) for keys, values in zip(self.rows[row].keys, self.rows[row].values)]
+
+    def remove_rows(self, rows: set[int]) -> list[tuple[int, int]]:
+        """Drop `rows`; the last rows move into the holes (as SlotKVCache's). Returns the moves as (from, to)."""
+        keep_count = self.num_rows - len(rows)
+        holes = sorted(r for r in rows if r < keep_count)
+        movers = [r for r in range(keep_count, self.num_rows) if r not in rows]
+        self._freed += sum(self.rows[r].capacity for r in rows)
+        moves = list(zip(movers, holes))
+        for source, target in moves:
+            self.rows[target], self.lengths[target] = self.rows[source], self.lengths[source]
+        del self.rows[keep_count:], self.lengths[keep_count:]
+        self._tables = None
+        return moves
+
+    def shrink(self) -> int:
+        """Nothing is padded: returns the positions the rows that left since the last call held."""
+        freed, self._freed = self._freed, 0
+        return freed
+
+    def prepare_decode(self, min_rows: int = 1, with_mask: bool = False) -> tuple[torch.Tensor, None]:
+        """Before a decode step over every row: room for one more token in each. Returns position_ids [B, 1]."""
+        if min_rows > self.num_rows or with_mask:
+            raise ValueError("rows in caches of their own are decoded by the 4-bit kernels alone: no padding, no mask")
+        for row, length in enumerate(self.lengths):
+            if length >= self.rows[row].capacity:  # past what its request reserved: never expected, never unsafe
+                self.rows[row] = self.rows[row].copy(length, _round_up(length + 1, PAGE_TOKENS))
+                self.reallocations += 1
+                self._tables = None
+        return torch.tensor(self.lengths)[:, None], None
+
+    @property
+    def step_slots(self) -> torch.Tensor:
+        return torch.arange(self.num_rows)
+
+    def finish_decode(self) -> None:
+        self.lengths = [length + 1 for length in self.lengths]
+
+    def slot_tables(self) -> SlotTables:
+        if self._tables is None:
+            self._tables = SlotTables([(row.keys, row.values) for row in self.rows])
+        return self._tables
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

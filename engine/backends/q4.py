@@ -312,6 +312,20 @@ class PromptCache:
     def values(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
 
+    @property
+    def capacity(self) -> int:
+        return self.all_keys.shape[2]
+
+    def copy(self, length: int, capacity: int | None = None) -> "PromptCache":
+        """A cache of `capacity` positions (default: this one's) holding this one's first `length` (whole blocks of
+        keys: the kernels zero a block when they start it, so what follows in the last one is never read)."""
+        num_layers, num_kv_heads, _, head_dim = self.all_keys.shape
+        copied = PromptCache(num_layers, num_kv_heads, capacity or self.capacity, head_dim, self.all_keys.dtype)
+        kept = min(self.capacity, copied.capacity, -(-length // KEY_BLOCK) * KEY_BLOCK)
+        copied.all_keys[:, :, :kept] = self.all_keys[:, :, :kept]
+        copied.all_values[:, :, :kept] = self.all_values[:, :, :kept]
+        return copied
+
 
 @dataclass(frozen=True)
 class Q4Layer:
