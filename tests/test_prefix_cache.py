@@ -205,7 +205,7 @@ def test_served_turns_report_cached_tokens_and_count_them_in_metrics(smol_server
     assert _metric(smol_server, "lockstep:prefix_cache_queries_total") - queries_before >= \
         first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
     _, _, models = http("GET", smol_server.url + "/v1/models")
-    assert models["data"][0]["prefix_cache"] is True
+    assert models["data"][0]["prefix_cache"] is True and models["data"][0]["kv_per_row"] is True
 
 
 @pytest.mark.parametrize("salt", ["", "x" * 2000, 7, ["a"]])

@@ -49,7 +49,7 @@ def test_samples_that_together_pass_the_kv_budget_are_400_naming_the_field(serve
     assert f"the {KV_BUDGET} positions of keys and values" in error["message"]
     (model,) = http("GET", server.url + "/v1/models")[2]["data"]
     assert model["max_batch_kv_tokens"] == KV_BUDGET and model["kv_budget_reason"] == ""
-    assert model["kv_per_row"] is True  # the 4-bit path: the budget bounds the rows' sum
+    assert model["kv_per_row"] is False  # a model without 4-bit blocks: a batch padded to its longest row
     status, _, answer = http("POST", server.url + "/v1/completions", {**body, param: 1})  # one sample fits
     assert status == 200, answer
 
