@@ -17,6 +17,7 @@ StepOutput; only a failure of the shared decode forward fails the step.
 """
 import inspect
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -54,6 +55,9 @@ INVARIANT_MIN_ROWS = 2  # batch invariance: oneDNN's matmuls never run at one ro
 # waits about one such chunk per step: the bound on its gap.
 INVARIANT_CHUNK_UNITS = 256
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
+# A lone prompt's step, no stream beside it: a request that arrives meanwhile waits for the step in progress (a
+# 512-token chunk 7,000 tokens into a prompt took 2.8 s on 2 cores), while shorter chunks cost it a few ms each.
+ALONE_STEP_TARGET_S = 1.0
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
 
 
@@ -363,8 +367,9 @@ class HFBackend(Backend):
         deadline, planned_s = float("inf"), 0.0  # planned_s: what the prompts fed together are expected to take
         self.prefills = deque(sorted(self.prefills, key=lambda p: p.num_left))
         while self.prefills and budget > 0:
-            if self.rows and deadline == float("inf"):  # from now on a stream waits for this step
-                deadline = time.perf_counter() + self.prefill_step_target_s
+            if deadline == float("inf"):  # from now on a stream, or a request arriving, waits for this step
+                target_s = self.prefill_step_target_s if self.rows or len(self.prefills) > 1 else ALONE_STEP_TARGET_S
+                deadline = time.perf_counter() + target_s
             seconds_left = deadline - time.perf_counter() - planned_s
             if seconds_left <= 0:
                 break
@@ -461,23 +466,21 @@ class HFBackend(Backend):
 
     def _clocked_chunk_size(self, prefill: Prefill, seconds_left: float, budget: int) -> int:
         """Batch-invariant where chunking changes the numbers: the prompt's own plan, whatever else runs (a step's
-        budget and time decide how many chunks it feeds, never their sizes). Otherwise: alone, a prompt goes in the
-        largest chunks the budget allows; beside decoding rows, a chunk that fits in `seconds_left`, judged by what
-        earlier chunks cost per unit (see `_cost_units`)."""
+        budget and time decide how many chunks it feeds, never their sizes). Otherwise a chunk that fits in
+        `seconds_left` (the step's target: beside decoding rows or other prompts short, alone ALONE_STEP_TARGET_S),
+        judged by what earlier chunks cost per unit (see `_cost_units`); before any was timed, the budget's worth
+        alone, a small one beside streams."""
         if self.batch_invariant and not self.chunks_compute_alike:
             return planned_chunk_size(prefill.num_computed, prefill.num_left, self.prefill_chunk_tokens,
                                       INVARIANT_CHUNK_UNITS)
-        if not self.rows:
-            return min(budget, prefill.num_left)
         if self.seconds_per_cost_unit is None:
-            return min(budget, prefill.num_left, FIRST_CHUNK_TOKENS)
-        units_per_token = 1 + prefill.num_computed / ATTENTION_COST_SCALE
-        affordable = int(seconds_left / (self.seconds_per_cost_unit * units_per_token))
+            return min(budget, prefill.num_left, FIRST_CHUNK_TOKENS if self.rows else budget)
+        affordable = _tokens_within(seconds_left / self.seconds_per_cost_unit, prefill.num_computed)
         return min(budget, prefill.num_left, max(MIN_CHUNK_TOKENS, affordable))
 
     def _fits(self, prefill: Prefill, num_tokens: int, seconds_left: float) -> bool:
         """Whether a chunk is expected to end within `seconds_left`, from what earlier chunks cost per unit."""
-        if not self.rows or self.seconds_per_cost_unit is None:
+        if self.seconds_per_cost_unit is None:
             return True
         return self.seconds_per_cost_unit * _cost_units(prefill.num_computed, num_tokens) <= seconds_left
 
@@ -607,6 +610,13 @@ def _cost_units(start: int, num_tokens: int) -> float:
     """A chunk's cost in units of one prompt token at context 0: each token also attends to all before it."""
     mean_context = start + num_tokens / 2
     return num_tokens * (1 + mean_context / ATTENTION_COST_SCALE)
+
+
+def _tokens_within(units: float, start: int) -> int:
+    """The most tokens from `start` whose chunk costs at most `units` (`_cost_units`: n (1 + (start + n / 2) / S),
+    solved for n)."""
+    half_per_scale, linear = 0.5 / ATTENTION_COST_SCALE, 1 + start / ATTENTION_COST_SCALE
+    return int((math.sqrt(linear * linear + 4 * half_per_scale * max(0.0, units)) - linear) / (2 * half_per_scale))
 
 
 def planned_chunk_size(num_computed: int, num_left: int, chunk_tokens: int, chunk_units: float) -> int:
