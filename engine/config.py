@@ -34,9 +34,11 @@ class EngineConfig:
     max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
     max_queue: int = 256
     # Keys and values of the batch: on the 4-bit path each row holds its own (prompt + max_tokens), so the sum of the
-    # rows'; elsewhere rows x the longest row (a padded batch). hf on CPU lowers it, and the context with it, where
-    # the memory left once the model is loaded would not hold it (kv_cache.kv_budget_within).
-    max_batch_kv_tokens: int = 32768
+    # rows'; elsewhere rows x the longest row (a padded batch). The default, 16 x 8,192, lets a full batch of the
+    # embedded model hold whole contexts (at most ~3 GB on the 4-bit path, resident only as written; 6 GB in the exact
+    # mode). hf on CPU lowers it, and the context with it, where the memory left once the model is loaded would not
+    # hold it (kv_cache.kv_budget_within).
+    max_batch_kv_tokens: int = 131072
     # Model workers that share this host's memory (gunicorn's LOCKSTEP_WORKERS): each takes an equal share of what a
     # memory limit leaves for keys and values.
     model_copies: int = 1
