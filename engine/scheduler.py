@@ -7,7 +7,8 @@ builds its final output afterwards, then `release`s it.
 
 Admission: the policy says when the batch takes new sequences (AdmissionPolicy), each client may
 hold at most `max_queue_per_client` waiting requests and slots go round-robin across clients
-(ClientFairness), a request's samples go in together (GroupReservations), and the worker's keys and
+(ClientFairness), a request's samples go in together, one that does not fit is passed by a batch's worth
+of others at most (GroupReservations), and the worker's keys and
 values stay within `max_batch_kv_tokens`: the sum of the rows' prompt and answer tokens where each row
 holds its own (`kv_per_row`, the 4-bit path), else rows x the longest row (a batch padded to it). A
 request past its deadline fails with deadline_exceeded, waiting or running.
@@ -94,9 +95,9 @@ class ClientFairness:
 
 
 class GroupReservations:
-    """A group (a request's samples) is admitted all at once. One that does not fit yet does not hold up the
-    requests behind it, until a batch's worth of sequences has gone past it: then it reserves the slots as they
-    free (it cannot be starved)."""
+    """A group (a request's samples, or a request alone) is admitted all at once. One that does not fit yet (slots,
+    KV room) does not hold up the requests behind it, until a batch's worth of sequences has gone past it: then it
+    reserves the slots and room as they free (it cannot be starved)."""
 
     def __init__(self, max_batch_size: int):
         self.max_batch_size = max_batch_size
@@ -268,9 +269,9 @@ class Scheduler:
                 break
             group = [s for s in self.waiting if s.group_id == seq.group_id]
             if not self._fits(group):
-                if len(group) == 1 or not self.reservations.may_be_passed(seq.group_id):
-                    break  # the batch drains until it fits: skipping to smaller requests could starve it
-                passed_groups.append(seq.group_id)  # a group waits for slots; others may go past it, a while
+                if not self.reservations.may_be_passed(seq.group_id):
+                    break  # the batch drains until it fits: skipping to smaller requests for ever would starve it
+                passed_groups.append(seq.group_id)  # it waits for slots or KV room; others may go past it, a while
                 continue
             self.reservations.on_admit(seq.group_id, len(group), passed_groups)
             self.fairness.on_admit(seq.client_id, lambda: {s.client_id for s in self.sequences.values()})

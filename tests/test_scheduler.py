@@ -125,18 +125,23 @@ def make_long_seq(request_id: str, num_prompt_tokens: int, max_tokens: int) -> R
     return make_state(Sequence(request_id, [65] * num_prompt_tokens, WorkerSampling(max_tokens=max_tokens)))
 
 
-def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_not_starved():
-    manager = make_core(max_batch_size=8, max_batch_kv_tokens=1000)
+def test_the_padded_batch_stays_within_its_kv_budget_and_a_long_request_is_passed_only_a_while():
+    """A request that does not fit beside the running ones lets later, smaller ones go past it (it would hold them
+    all up), a batch's worth at most (max_batch_size); then it reserves: nobody else is admitted until it fits."""
+    manager = make_core(max_batch_size=4, max_batch_kv_tokens=1000)
     for i in range(3):
         manager.add_states([make_long_seq(f"short-{i}", 40, 60)])  # 100 tokens each
-    manager.add_states([make_long_seq("long", 300, 100)])  # 400: with it, 4 rows x 400 = 1600 > 1000
-    manager.add_states([make_long_seq("short-late", 40, 60)])
-    plan = manager.schedule(timeout=0)
-    assert [r.request_id for r in plan.new_requests] == ["short-0", "short-1", "short-2"]
-    for seq in list(manager.scheduler.running):
-        manager.abort(seq.request_id)
-    plan = manager.schedule(timeout=0)  # the long one goes first; the later short one fits beside it (2 x 400)
-    assert [r.request_id for r in plan.new_requests] == ["long", "short-late"]
+    manager.add_states([make_long_seq("long", 300, 100)])  # 400: with 3 others, 4 rows x 400 = 1600 > 1000
+    for i in range(8):
+        manager.add_states([make_long_seq(f"late-{i}", 40, 60)])
+    admitted = [r.request_id for r in manager.schedule(timeout=0).new_requests]
+    assert admitted == ["short-0", "short-1", "short-2", "late-0"]  # late-0 went past it
+    while "long" not in admitted:
+        manager.abort(manager.scheduler.running[0].request_id)
+        admitted += [r.request_id for r in manager.schedule(timeout=0).new_requests]
+        assert len(manager.scheduler.running) <= 4
+    assert admitted[3:] == ["late-0", "late-1", "late-2", "late-3", "long"]  # then the batch drained for it
+    assert manager.scheduler.running[-1].request_id == "long" and len(manager.scheduler.running) == 2
 
 
 def test_rows_that_keep_their_own_caches_count_only_their_own_tokens():
