@@ -198,7 +198,8 @@ def test_a_prompt_chunked_whole_or_decoded_computes_the_same_bits(kernels, gguf_
 def test_rows_in_caches_of_their_own_decode_the_bits_of_one_padded_cache(kernels, gguf_model):
     """The backend's batch on this path (RowKVCache): each row decodes in its prompt's own cache, a fork in a copy,
     one row past what it reserved in a larger one. Step by step, rows joining and leaving, every row's logits are
-    the bits of the padded cache (SlotKVCache), while it holds the sum of the rows' positions, not rows x the longest."""
+    the bits of the padded cache (SlotKVCache), while it holds the sum of the rows' positions, not rows x the
+    longest."""
     model, weights = gguf_model
     decoder = FastDecoder(model, q4=(kernels, weights))
     config, ids = model.config, torch.tensor(model_tokens(TEXT))
