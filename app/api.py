@@ -67,7 +67,7 @@ def completions():
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
-    body = read_json_body(CHAT)
+    body = read_json_body(CHAT, lockstep().engine.max_model_len)
     messages = messages_field(body)
     sampling = sampling_fields(body, lockstep().engine)
     output = run_one(messages=messages, body=body, sampling=sampling)

@@ -90,7 +90,7 @@ WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | CACHE_SALT 
                            one_of=("prompt", "messages"))
 
 
-def read_json_body(shape: RequestShape | None = None) -> dict:
+def read_json_body(shape: RequestShape | None = None, context: int = 0) -> dict:
     """The request body as a JSON object, or a 400 that says what is wrong with it (413 when too large).
     With a `shape`, its fields are checked (see `checked_fields`)."""
     if request.mimetype != "application/json":
@@ -105,7 +105,7 @@ def read_json_body(shape: RequestShape | None = None) -> dict:
         raise ApiError(413, "the request body is too large", "request_entity_too_large")
     body = parse_json_object(raw)
     refuse_lone_surrogates(body, raw)
-    return body if shape is None else checked_fields(body, shape)
+    return body if shape is None else checked_fields(body, shape, context)
 
 
 def parse_json_object(raw: bytes | str) -> dict:
@@ -169,15 +169,16 @@ def echoable(value, max_length: int) -> str | None:
 
 # -- which fields ---------------------------------------------------------------------------------------------
 
-def checked_fields(body: dict, shape: RequestShape) -> dict:
+def checked_fields(body: dict, shape: RequestShape, context: int = 0) -> dict:
     """The body with aliases resolved, or a 400 for the first field `shape` does not read, an unimplemented
-    OpenAI field, `stream: true`, or an alias that disagrees with the field it stands for."""
+    OpenAI field, `stream: true`, or an alias that disagrees with the field it stands for or asks more tokens than
+    the model's `context` (0: not known yet), named as sent (the engine checks the field it stands for)."""
     for name, value in body.items():
         _check_field(name, value, shape)
     given = [name for name in shape.one_of if name in body]
     if len(given) > 1:
         raise invalid_value(given[1], f"give {' or '.join(shape.one_of)}, not both")
-    return _resolve_aliases(body, shape)
+    return _resolve_aliases(body, shape, context)
 
 
 def _is_null_or_false(value) -> bool:
@@ -224,12 +225,14 @@ def metadata_field(value) -> dict:
     return value
 
 
-def _resolve_aliases(body: dict, shape: RequestShape) -> dict:
+def _resolve_aliases(body: dict, shape: RequestShape, context: int) -> dict:
     for alias, name in shape.aliases.items():
         if body.get(alias) is None:
             continue
         if not _is_int(body[alias]) or body[alias] < 1:
             raise invalid_value(alias, f"{alias} must be an integer of at least 1")
+        if context and body[alias] > context:
+            raise invalid_value(alias, f"{alias} must be at most {context} (the model's context length)")
         if body.get(name) is not None and body[name] != body[alias]:
             raise invalid_value(alias, f"{alias} and {name} are the same limit: send one, or the same value")
         body = {**{k: v for k, v in body.items() if k != alias}, name: body[alias]}

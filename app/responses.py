@@ -107,8 +107,8 @@ class Turn:
 
 @bp.post("/v1/responses")
 def create_response():
-    body = read_json_body(RESPONSES)
     state = lockstep()
+    body = read_json_body(RESPONSES, state.engine.max_model_len)
     turn = parse_turn(body, state.engine, state.responses.get)
     output = run_one(body, turn.sampling, messages=turn.messages)
     response = response_object(turn, output)

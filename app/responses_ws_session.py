@@ -124,7 +124,8 @@ class ResponsesSession(SocketSession):
     def _start(self, message: dict, lane: str | None) -> None:
         generate = _flag(message, "generate")
         _flag(message, "stream")  # implicit over a socket: either value streams
-        body = checked_fields({k: v for k, v in message.items() if k not in WS_ONLY_FIELDS}, RESPONSES)
+        body = checked_fields({k: v for k, v in message.items() if k not in WS_ONLY_FIELDS}, RESPONSES,
+                              self.engine.max_model_len)
         turn = parse_turn(body, self.engine, self._find_previous, generate=generate)
         running = Running(turn, lane)
         if not generate:

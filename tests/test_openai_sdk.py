@@ -112,6 +112,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("completions", {"stream": 0}, "invalid_value", "stream"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "invalid_value", "max_completion_tokens"),
     ("chat", {"max_completion_tokens": 0}, "invalid_value", "max_completion_tokens"),
+    ("chat", {"max_tokens": None, "max_completion_tokens": 10 ** 9}, "invalid_value", "max_completion_tokens"),
     ("chat", {"extra_body": {"max_completion_tokens": 2.5}}, "invalid_value", "max_completion_tokens"),
     ("chat", {"extra_body": {"frobnicate": 1}}, "unsupported_field", "frobnicate"),
     ("chat", {"messages": [{"role": "user", "content": [

@@ -138,6 +138,7 @@ def test_stream_over_http_points_to_the_websocket(client):
     ({"input": "Hi", "temperature": float("nan")}, "invalid_value", "temperature"),
     ({"input": "Hi", "top_p": 0}, "invalid_value", "top_p"),
     ({"input": "Hi", "max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
+    ({"input": "Hi", "max_output_tokens": 10 ** 9}, "invalid_value", "max_output_tokens"),  # past the context
     ({}, "missing_field", "input"),
     ({"input": []}, "invalid_value", "input"),
     ({"input": 5}, "invalid_value", "input"),
