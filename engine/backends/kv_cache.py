@@ -263,19 +263,10 @@ class RowKVCache:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    num_slots = num_rows
-
-    @property
-    def capacity(self) -> int:
-        return max((row.capacity for row in self.rows), default=0)
-
     @property
     def positions(self) -> int:
+        """Positions of keys and values held: every row's own capacity (the KV budget's count)."""
         return sum(row.capacity for row in self.rows)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for row in self.rows for t in (row.all_keys, row.all_values))
 
     def add_row(self, cache: PromptCache, length: int) -> int:
         """The row takes `cache` (its first `length` positions filled) as its own; returns the row's index."""
