@@ -4,8 +4,10 @@ outputs.
 Chat:        choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}
 Completions: choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}
 The numbers are the model's own distribution (see engine/backends/sampler.py). A token that ends inside a
-UTF-8 character shows U+FFFD in `token`; `bytes` are exact.
+UTF-8 character shows U+FFFD in the chat shape's `token`, its `bytes` exact; the completions shape, whose
+`top_logprobs` are keyed by the token, spells it by its bytes as OpenAI does ("bytes:\\xf0\\x9f").
 """
+import codecs
 import itertools
 from collections.abc import Iterable
 
@@ -55,23 +57,35 @@ def chat_logprob_content(entries: tuple[TokenLogprob, ...], texts: TokenTexts) -
 
 
 def completion_logprobs(token_ids: list[int], entries: Iterable[TokenLogprob | None], texts: TokenTexts) -> dict:
-    """`text_offset` counts characters from the start of the choice's text (the prompt's, with echo)."""
+    """`text_offset` counts characters from the start of the choice's text (the prompt's, with echo): a character
+    split over tokens starts at the token that completes it, as the text gets it."""
     tokens, token_logprobs, top_logprobs, text_offset, offset = [], [], [], [], 0
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token_id, entry in zip(token_ids, entries):
-        text = texts.text(token_id)
+        text = _completion_token(token_id, texts)
         tokens.append(text)
         text_offset.append(offset)
-        offset += len(text)
+        offset += len(characters.decode(texts.token_bytes(token_id)))
         if entry is None:  # the prompt's first token: nothing before it predicts it
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
         token_logprobs.append(entry.logprob)
-        top = {texts.text(top_id): logprob for top_id, logprob in entry.top}
+        top = {_completion_token(top_id, texts): logprob for top_id, logprob in entry.top}
         top.setdefault(text, entry.logprob)  # the chosen token is always listed, as vLLM does
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
+
+
+def _completion_token(token_id: int, texts: TokenTexts) -> str:
+    """A token's text, or where its bytes are not whole UTF-8 characters its bytes: U+FFFD for every such token
+    would give them one key in `top_logprobs`, and the chosen token another's number."""
+    raw = texts.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def _completion_logprobs_of(choice: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> dict | None:

@@ -210,7 +210,8 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
     pairs = []
     for key, bias in value.items():
         text = str(key)
-        if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        # canonical ids only: "05" beside "5" would bias one token twice here and once on vLLM (a dict)
+        if not (text.isascii() and text.isdigit()) or len(text) > 12 or text != str(int(text)):
             raise InvalidRequest(f"logit_bias keys must be token ids; got {text[:40]!r}", "logit_bias")
         pairs.append((int(text), bias))
     return tuple(pairs)

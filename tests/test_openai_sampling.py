@@ -66,6 +66,26 @@ def test_completion_logprobs_k_and_greedy_tokens(sdk_server):
         assert max(top, key=top.get) == token and top[token] == pytest.approx(token_logprob)
 
 
+def test_completion_logprobs_of_tokens_inside_a_character_keep_their_own_keys(sdk_server):
+    """Emoji are 4 bytes, spread over byte tokens: each is keyed by its bytes, as OpenAI does, not by one shared
+    U+FFFD (which kept one entry of several, and gave the chosen token another's number); offsets stay in the
+    text, a split character's at the token that completes it."""
+    prompt = "Emoji list: \U0001F600 \U0001F603 \U0001F604 \U0001F601"
+    reply = sdk(sdk_server).completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, logprobs=5,
+                                               echo=True)
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    split = [token for token in logprobs.tokens if token.startswith("bytes:")]
+    assert len(split) >= 2 and all(len(top) >= 5 for top in logprobs.top_logprobs[1:])
+    for token, token_logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == pytest.approx(token_logprob)
+    spelled = b"".join(bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:")
+                       else token.encode() for token in logprobs.tokens)
+    assert spelled.decode("utf-8", errors="replace") == choice.text
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[-1] <= len(choice.text)
+    assert all(choice.text.index(emoji) in logprobs.text_offset for emoji in prompt.split()[2:])
+
+
 def test_n_samples_and_best_of(sdk_server):
     client = sdk(sdk_server)
     reply = client.completions.create(model="m", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5,
@@ -112,6 +132,7 @@ def test_min_tokens_holds_back_eos(sdk_server):
 @pytest.mark.parametrize("fields, param", [
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": 1, "05": 1}}, "logit_bias"),  # one token twice
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
