@@ -440,7 +440,7 @@ def _sampling_engineer_fields(config) -> dict:
         "repetition_penalty": _nullable({"type": "number", "minimum": low, "maximum": high,
                                          "description": "1 = off (vLLM's semantics)"}),
         "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
-                                 "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "propertyNames": {"pattern": "^(0|[1-9][0-9]*)$"},
                                  "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                           "maximum": MAX_LOGIT_BIAS},
                                  "description": "Token id (of this model's vocabulary) -> bias"}),
