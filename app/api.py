@@ -11,7 +11,7 @@ import uuid
 
 from flask import Blueprint, g, jsonify, request
 
-from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage
+from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage, WorkerFailed
 
 from .answer_shaping import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 bp = Blueprint("api", __name__)
 
 CLIENT_CHECK_S = 0.25  # how often a waiting call looks whether its client is still connected
+CANCEL_WAIT_S = 1.0  # how long a cancelled call waits for its requests' final counts
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's completions endpoint uses when max_tokens is absent
 
@@ -145,10 +146,12 @@ def _wait_while_connected(handles: list[RequestHandle]) -> list[RequestOutput]:
     try:
         return [_wait_for(handle, client) for handle in handles]
     except ClientGone:
+        _cancel(handles)
+        g.completion_tokens = _tokens_before_cancel(handles)  # for the access log's line
         logger.info("client %s went away; cancelled %d request(s)", client_address(), len(handles))
         raise
     finally:
-        _cancel(handles)  # a no-op for the finished ones
+        _cancel(handles)  # a no-op for the finished and the cancelled ones
 
 
 def _wait_for(handle: RequestHandle, client: socket.socket | None) -> RequestOutput:
@@ -158,6 +161,17 @@ def _wait_for(handle: RequestHandle, client: socket.socket | None) -> RequestOut
         except queue.Empty:
             if client is not None and has_hung_up(client):
                 raise ClientGone() from None
+
+
+def _tokens_before_cancel(handles: list[RequestHandle]) -> int:
+    """The tokens the cancelled requests produced: their final outputs come at the scheduler's next step."""
+    total = 0
+    for handle in handles:
+        try:
+            total += handle.result(timeout=CANCEL_WAIT_S).usage.completion_tokens
+        except (queue.Empty, WorkerFailed):
+            break  # the count is for a log line; never hold the thread for it
+    return total
 
 
 def has_hung_up(client: socket.socket) -> bool:

@@ -1,6 +1,7 @@
 """Issue 9 against a live werkzeug server: keys, origins and Host, socket budget and timers, close codes, protocol
 errors, a vanished REST client, readiness and the drain. Real sockets; fault injection only where named."""
 import json
+import logging
 import multiprocessing
 import socket
 import threading
@@ -286,7 +287,8 @@ def test_broken_pipe_on_send_ends_the_session_and_cancels(server, monkeypatch, c
 
 # ---- 2. A REST client that hangs up -------------------------------------------------------------------------
 
-def test_dropped_generate_frees_the_engine(make_server_for, tiny_model_dir):
+def test_dropped_generate_frees_the_engine_and_logs_what_it_produced(make_server_for, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="app.guards")
     live = make_server_for(tiny_model_dir, max_batch_size=4)
     scheduler = live.state.engine.scheduler
     body = json.dumps({"prompts": [f"Prompt {i}" for i in range(16)], "max_tokens": 250, "ignore_eos": True})
@@ -298,6 +300,9 @@ def test_dropped_generate_frees_the_engine(make_server_for, tiny_model_dir):
     started = time.monotonic()
     wait_until(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0, timeout=5)
     assert time.monotonic() - started < 2
+    wait_until(lambda: any("status=499" in r.getMessage() for r in caplog.records))
+    access = next(r.getMessage() for r in caplog.records if "status=499" in r.getMessage())
+    assert "POST /generate" in access and int(access.split("tokens=")[1].split()[0]) > 0, access
 
 
 # ---- 3. Readiness and the drain ----------------------------------------------------------------------------------
