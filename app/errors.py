@@ -100,11 +100,11 @@ def ws_error(client_id, error: ApiError) -> dict:
 def register_error_handlers(app) -> None:
     app.register_error_handler(ApiError, error_response)
     app.register_error_handler(EngineError, lambda exc: error_response(from_engine_error(exc)))
-    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(HTTPException, http_error)
     app.register_error_handler(500, _internal_error)
 
 
-def _http_error(exc: HTTPException):
+def http_error(exc: HTTPException):
     code = (exc.name or "error").lower().replace(" ", "_")
     type_ = "server_error" if (exc.code or 500) >= 500 else "invalid_request_error"
     message = exc.description or exc.name

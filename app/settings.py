@@ -4,9 +4,10 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from engine.config import check_at_least_one, dataclass_from_env
+from engine.config import check_at_least_one, check_seconds, dataclass_from_env, variable
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # gunicorn's
 
 
 @dataclass
@@ -37,18 +38,22 @@ class ServerSettings:
         self.allowed_origins = tuple(origin.rstrip("/") for origin in self.allowed_origins)
         check_at_least_one(self, ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes",
                                   "responses_store_entries", "responses_store_bytes", "workers", "http_threads"))
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0..65535, got {self.port}")
-        for name in ("ws_ping_interval_s", "ws_idle_timeout_s", "ws_auth_timeout_s", "header_timeout_s",
-                     "body_timeout_s"):
-            if not 0 < getattr(self, name) < float("inf"):  # NaN fails too
-                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if not 0 <= self.drain_timeout_s < float("inf"):  # 0: SIGTERM cancels at once
-            raise ValueError(f"drain_timeout_s must be a number of seconds >= 0, got {self.drain_timeout_s}")
+        if not 1 <= self.port <= 65535:  # not 0: the origins allowed name the port, and a random one is unknown
+            raise ValueError(f"{variable('port')} must be 1..65535, got {self.port}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"{variable('log_level')} must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
+        if any(c.isspace() for c in self.api_key):
+            raise ValueError(f"{variable('api_key')} must not contain whitespace (a Bearer header cannot carry it)")
+        check_seconds(self, ("ws_ping_interval_s", "ws_idle_timeout_s", "ws_auth_timeout_s", "header_timeout_s",
+                             "body_timeout_s"))
+        check_seconds(self, ("drain_timeout_s",), zero_allowed=True)  # 0: SIGTERM cancels at once
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "ServerSettings":
-        """Read LOCKSTEP_<FIELD> (e.g. LOCKSTEP_MAX_SOCKETS=64); explicit overrides win."""
+        """Read LOCKSTEP_<FIELD> (e.g. LOCKSTEP_MAX_SOCKETS=64); explicit overrides win. An empty variable means
+        the default, but an empty API key is refused: it reads as a key left out by mistake (`$UNSET_VAR`)."""
+        if environ.get("LOCKSTEP_API_KEY") == "" and "api_key" not in overrides:
+            raise ValueError(f"{variable('api_key')} is set but empty: unset it to serve without a key")
         return dataclass_from_env(cls, environ, **overrides)
 
     @property

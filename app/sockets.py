@@ -12,11 +12,13 @@ A route's body is `serve_socket`: its session (app/socket_session.py) speaks thr
 import logging
 from typing import Callable
 
-from flask import Response, g, request
+from flask import Response, current_app, g, request
 from flask_sock import Sock
 from simple_websocket import Server
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.routing import WebsocketMismatch
 
-from .errors import ApiError, error_response
+from .errors import ApiError, error_response, http_error
 from .guards import SOCKET_ENDPOINTS
 from .socket_session import SocketSession
 from .socket_transport import GuardedSocket, SocketTransport
@@ -36,6 +38,8 @@ def init_app(app) -> None:
     app.config["SOCK_SERVER_OPTIONS"] = socket_options(app.extensions["lockstep"].settings)
     app.before_request(_prepare_upgrade)
     app.teardown_request(_release_socket_slot)
+    for routing_error in (WebsocketMismatch, MethodNotAllowed):
+        app.register_error_handler(routing_error, _not_an_upgrade)
     sock.init_app(app)
 
 
@@ -61,6 +65,19 @@ def _prepare_upgrade() -> Response | None:
         if key in request.environ:
             request.environ[key] = GuardedSocket(request.environ[key])
     return None
+
+
+def _not_an_upgrade(exc: HTTPException) -> Response:
+    """A plain GET on a socket's path: werkzeug says 400 Bad Request (/ws) or 405 (/v1/responses, whose POST is
+    REST); say what the path is instead, as a broken handshake does."""
+    if request.method == "GET" and _is_socket_path(request.path):
+        return error_response(ApiError(400, f"GET {request.path} is a WebSocket endpoint: it needs an upgrade "
+                                            "(Connection: Upgrade, Upgrade: websocket)", INVALID_HANDSHAKE))
+    return http_error(exc)
+
+
+def _is_socket_path(path: str) -> bool:
+    return any(rule.websocket and rule.rule == path for rule in current_app.url_map.iter_rules())
 
 
 def _release_socket_slot(_error=None) -> None:

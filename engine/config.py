@@ -14,6 +14,10 @@ DEVICES = ("cpu", "cuda", "auto")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")  # vLLM's distributed_executor_backend; ray spans nodes
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 ENFORCE_EAGER = ("auto", "true", "false")  # auto: eager on CPU only (CUDA captures graphs)
+# A duration setting's most: a week. Past about 24.8 days a socket's poll (milliseconds in 32 bits) overflows, and
+# from about 300 years every timed wait does: a value that starts the server but fails each request or socket.
+MAX_SECONDS = 7 * 24 * 3600
+MAX_THREADS = 1024  # torch threads in the worker: past the cores it only slows; far past them torch fails
 
 
 def default_cache_dir() -> str:
@@ -104,11 +108,16 @@ class EngineConfig:
                                   "max_queue_per_client", "max_samples", "max_echo_logprob_entries",
                                   "default_max_tokens", "max_stop_strings", "prefill_chunk_tokens",
                                   "vllm_cpu_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"))
-        if self.threads < 0 or self.max_model_len < 0 or self.kernel_helper_rows < 0 or self.prefix_cache_tokens < 0:
-            raise ValueError("threads, max_model_len, kernel_helper_rows and prefix_cache_tokens must be >= 0")
-        if not all(0 < t < float("inf") for t in (self.load_timeout_s, self.step_timeout_s,
-                                                  self.request_timeout_s, self.prefill_step_target_s)):
-            raise ValueError("timeouts must be positive")
+        for name in ("max_model_len", "kernel_helper_rows", "prefix_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{variable(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"{variable('threads')} must be 0 (all cores but one) to {MAX_THREADS}, "
+                             f"got {self.threads}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # NaN fails too
+            raise ValueError(f"{variable('gpu_memory_utilization')} must be a fraction in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        check_seconds(self, ("load_timeout_s", "step_timeout_s", "request_timeout_s", "prefill_step_target_s"))
 
     @property
     def sample_limit(self) -> int:
@@ -157,13 +166,29 @@ def _parse(type_name, raw: str, name: str):
     return raw
 
 
+def variable(name: str) -> str:
+    """A setting as an error names it: the field and the variable that sets it."""
+    return f"{name} (LOCKSTEP_{name.upper()})"
+
+
 def check_at_least_one(settings, names: tuple[str, ...]) -> None:
     """A count setting below 1 is refused by name (a queue, a batch or a cap of 0 would serve nobody)."""
     for name in names:
         if getattr(settings, name) < 1:
-            raise ValueError(f"{name} must be at least 1, got {getattr(settings, name)}")
+            raise ValueError(f"{variable(name)} must be at least 1, got {getattr(settings, name)}")
+
+
+def check_seconds(settings, names: tuple[str, ...], zero_allowed: bool = False) -> None:
+    """A duration setting is a number of seconds above 0 (or 0 where `zero_allowed`) up to MAX_SECONDS; NaN and
+    infinity fail."""
+    for name in names:
+        value = getattr(settings, name)
+        if not ((0 <= value if zero_allowed else 0 < value) and value <= MAX_SECONDS):
+            low = ">= 0" if zero_allowed else "> 0"
+            raise ValueError(f"{variable(name)} must be a number of seconds {low} and at most {MAX_SECONDS} "
+                             f"(a week), got {value}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise ValueError(f"{variable(name)} must be one of {', '.join(choices)}; got {value!r}")

@@ -158,9 +158,10 @@ class Scheduler:
                 raise ShuttingDown()
             if len(self.waiting) + len(seqs) > self.max_queue:
                 raise Overloaded(f"the queue is full ({self.max_queue} waiting requests); retry later")
-            if sum(s.client_id == client_id for s in self.waiting) + len(seqs) > self.max_queue_per_client:
-                raise Overloaded(f"this client already has {self.max_queue_per_client} waiting requests; "
-                                 "wait for some to finish")
+            held = sum(s.client_id == client_id for s in self.waiting)
+            if held + len(seqs) > self.max_queue_per_client:
+                raise Overloaded(f"this client may hold at most {self.max_queue_per_client} waiting requests "
+                                 f"({held} waiting, {len(seqs)} more asked); wait for some to finish")
             for seq in seqs:
                 if seq.request_id in self.sequences or seq.group_id in self.sequences:
                     raise ValueError(f"request id {seq.request_id!r} is already in use")

@@ -11,6 +11,7 @@ import pytest
 import websocket
 
 from app.settings import ServerSettings
+from engine import EngineConfig
 
 from .client import WsClient, http, wait_until
 from .conftest import LiveServer, start_live_server
@@ -159,6 +160,15 @@ def test_cors_allows_only_public_origins(server):
     _, headers, _ = http("GET", server.url + "/v1/models", headers={"Origin": f"http://evil.example:{port}",
                                                                     "Host": f"127.0.0.1:{port}"})
     assert "Access-Control-Allow-Origin" not in headers
+
+
+def test_a_preflight_allows_every_method_a_browser_may_send(server):
+    origin = f"http://localhost:{port_of(server)}"
+    _, headers, _ = http("OPTIONS", server.url + "/v1/responses/resp_x",
+                         headers={"Origin": origin, "Access-Control-Request-Method": "DELETE"})
+    assert headers["Access-Control-Allow-Origin"] == origin
+    assert {m.strip() for m in headers["Access-Control-Allow-Methods"].split(",")} == {"GET", "POST", "DELETE",
+                                                                                       "OPTIONS"}
 
 
 # ---- 1. Socket budget and timers ----------------------------------------------------------------------------
@@ -363,18 +373,42 @@ def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir,
 
 
 @pytest.mark.parametrize("variable, value, says", [
-    ("LOCKSTEP_WS_PING_INTERVAL_S", "nan", "ws_ping_interval_s must be a positive number"),
-    ("LOCKSTEP_WS_IDLE_TIMEOUT_S", "0", "ws_idle_timeout_s must be a positive number"),
-    ("LOCKSTEP_HEADER_TIMEOUT_S", "inf", "header_timeout_s must be a positive number"),
-    ("LOCKSTEP_DRAIN_TIMEOUT_S", "-1", "drain_timeout_s must be a number of seconds >= 0"),
-    ("LOCKSTEP_MAX_SOCKETS", "0", "max_sockets must be at least 1"),
-    ("LOCKSTEP_WS_MAX_MESSAGE_BYTES", "-5", "ws_max_message_bytes must be at least 1"),
-    ("LOCKSTEP_PORT", "70000", "port must be 0..65535"),
+    ("LOCKSTEP_WS_PING_INTERVAL_S", "nan", r"ws_ping_interval_s \(LOCKSTEP_WS_PING_INTERVAL_S\) must be a number of "
+                                           "seconds > 0 and at most 604800"),
+    ("LOCKSTEP_WS_PING_INTERVAL_S", "3e6", "LOCKSTEP_WS_PING_INTERVAL_S.*at most 604800"),  # a socket's poll: 24.8 d
+    ("LOCKSTEP_WS_IDLE_TIMEOUT_S", "0", "LOCKSTEP_WS_IDLE_TIMEOUT_S.* must be a number of seconds > 0"),
+    ("LOCKSTEP_HEADER_TIMEOUT_S", "inf", "LOCKSTEP_HEADER_TIMEOUT_S.* must be a number of seconds > 0"),
+    ("LOCKSTEP_HEADER_TIMEOUT_S", "1e10", "LOCKSTEP_HEADER_TIMEOUT_S.*at most 604800"),  # settimeout's time_t
+    ("LOCKSTEP_DRAIN_TIMEOUT_S", "-1", "LOCKSTEP_DRAIN_TIMEOUT_S.* must be a number of seconds >= 0"),
+    ("LOCKSTEP_DRAIN_TIMEOUT_S", "1e300", "LOCKSTEP_DRAIN_TIMEOUT_S.*at most 604800"),
+    ("LOCKSTEP_MAX_SOCKETS", "0", r"max_sockets \(LOCKSTEP_MAX_SOCKETS\) must be at least 1"),
+    ("LOCKSTEP_WS_MAX_MESSAGE_BYTES", "-5", "LOCKSTEP_WS_MAX_MESSAGE_BYTES.* must be at least 1"),
+    ("LOCKSTEP_PORT", "70000", r"LOCKSTEP_PORT\) must be 1..65535"),
+    ("LOCKSTEP_PORT", "0", r"LOCKSTEP_PORT\) must be 1..65535"),  # a random port the allowed origins cannot name
     ("LOCKSTEP_MAX_PROMPTS", "many", "LOCKSTEP_MAX_PROMPTS must be a number, got 'many'"),
+    ("LOCKSTEP_LOG_LEVEL", "garbage", "LOCKSTEP_LOG_LEVEL.* must be one of debug, info"),
+    ("LOCKSTEP_API_KEY", "", "LOCKSTEP_API_KEY.* is set but empty"),  # `$UNSET_VAR`: not a server without a key
+    ("LOCKSTEP_API_KEY", "two words", "LOCKSTEP_API_KEY.* must not contain whitespace"),
 ])
 def test_a_setting_out_of_range_is_refused_by_name(variable, value, says):
     with pytest.raises(ValueError, match=says):
         ServerSettings.from_env({variable: value})
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("LOCKSTEP_STEP_TIMEOUT_S", "1e10", "LOCKSTEP_STEP_TIMEOUT_S.*at most 604800"),  # every step's wait overflowed
+    ("LOCKSTEP_REQUEST_TIMEOUT_S", "nan", "LOCKSTEP_REQUEST_TIMEOUT_S.* must be a number of seconds > 0"),
+    ("LOCKSTEP_THREADS", "99999999999999999999", r"LOCKSTEP_THREADS\) must be 0 \(all cores but one\) to 1024"),
+    ("LOCKSTEP_THREADS", "-1", "LOCKSTEP_THREADS.* must be 0"),
+    ("LOCKSTEP_GPU_MEMORY_UTILIZATION", "nan", r"LOCKSTEP_GPU_MEMORY_UTILIZATION\) must be a fraction in \(0, 1\]"),
+    ("LOCKSTEP_GPU_MEMORY_UTILIZATION", "-5", "LOCKSTEP_GPU_MEMORY_UTILIZATION.* must be a fraction"),
+    ("LOCKSTEP_MAX_MODEL_LEN", "-1", r"max_model_len \(LOCKSTEP_MAX_MODEL_LEN\) must be >= 0"),
+    ("LOCKSTEP_MAX_BATCH_SIZE", "0", "LOCKSTEP_MAX_BATCH_SIZE.* must be at least 1"),
+    ("LOCKSTEP_DTYPE", "int8", r"dtype \(LOCKSTEP_DTYPE\) must be one of"),
+])
+def test_an_engine_setting_out_of_range_is_refused_by_name(variable, value, says):
+    with pytest.raises(ValueError, match=says):
+        EngineConfig.from_env({variable: value})
 
 
 def test_settings_in_range_are_taken_and_empty_means_the_default():

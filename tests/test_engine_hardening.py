@@ -129,7 +129,7 @@ def test_one_client_cannot_lock_another_out(make_engine, tiny_model_dir, monkeyp
     wait_until(lambda: engine.num_running == 1)
     hog += [submit_hog(i) for i in range(1, 4)]  # one running, three waiting: its cap
     try:
-        with pytest.raises(Overloaded):
+        with pytest.raises(Overloaded, match=r"at most 3 waiting requests \(3 waiting, 1 more asked\)"):
             engine.submit("Hello", GREEDY, client_id="hog")
         engine.submit("Hi", GREEDY, client_id="polite", sink=finished, request_id="polite")
     finally:

@@ -208,6 +208,8 @@ def test_socket_frames_use_the_same_shapes_and_codes(hf_server):
     ("DELETE", "/v1/models", 405, {"GET", "HEAD", "OPTIONS"}),
     ("POST", "/ws", 405, {"GET", "HEAD", "OPTIONS"}),
     ("GET", "/ws", 400, None),  # a plain GET, no upgrade
+    ("GET", "/v1/responses", 400, None),  # the same on the Responses socket, whose POST is REST (werkzeug: 405)
+    ("PUT", "/v1/responses", 405, {"GET", "HEAD", "POST", "OPTIONS"}),
 ])
 def test_every_route_answers_json_errors(hf_server, method, path, status, allow):
     got, headers, body = http(method, hf_server.url + path)
@@ -215,3 +217,5 @@ def test_every_route_answers_json_errors(hf_server, method, path, status, allow)
     assert set(body["error"]) == {"message", "type", "param", "code"}
     if allow is not None:
         assert {m.strip() for m in headers["Allow"].split(",")} == allow
+    if method == "GET" and status == 400:
+        assert body["error"]["code"] == "invalid_handshake" and "WebSocket endpoint" in body["error"]["message"]
