@@ -83,9 +83,9 @@ class PreviousResponseInProgress(ApiError):
 
 class PreviousResponseNotFound(ApiError):
     def __init__(self, response_id: str):
-        super().__init__(400, f"previous response {shown_name(response_id)!r} not found (never made, deleted, or "
-                              "evicted from the bounded store)", "previous_response_not_found",
-                         "previous_response_id")
+        super().__init__(400, f"previous response {shown_name(response_id)!r} not found (never made, deleted, "
+                              "evicted from the bounded store, or kept by another server process)",
+                         "previous_response_not_found", "previous_response_id")
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,8 @@ def _stored(response_id: str) -> StoredResponse:
 
 
 def _not_found(response_id: str) -> ApiError:
-    return ApiError(404, f"no stored response {shown_name(response_id)!r} (never stored, deleted, or evicted)",
-                    "response_not_found", "response_id")
+    return ApiError(404, f"no stored response {shown_name(response_id)!r} (never stored, deleted, evicted, or "
+                         "kept by another server process)", "response_not_found", "response_id")
 
 
 def _refuse_query() -> None:

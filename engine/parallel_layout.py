@@ -16,6 +16,9 @@ PARALLEL_SETTINGS = "LOCKSTEP_TENSOR_PARALLEL_SIZE / LOCKSTEP_PIPELINE_PARALLEL_
 
 
 def check_layout(config: EngineConfig, backend: str, has_cuda: bool) -> None:
+    on_gpu = has_cuda and config.device != "cpu"
+    if backend == "vllm" and config.distributed_executor == "ray":  # vLLM starts Ray even for one worker
+        check_ray_runs_here(on_gpu)
     num_workers = config.tensor_parallel_size * config.pipeline_parallel_size
     if num_workers == 1:
         return
@@ -24,10 +27,7 @@ def check_layout(config: EngineConfig, backend: str, has_cuda: bool) -> None:
             f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
             f"{config.pipeline_parallel_size} needs the vLLM backend, but the backend is {backend!r}: set "
             f"LOCKSTEP_BACKEND=vllm (install it with `make vllm`), or set {PARALLEL_SETTINGS} to 1")
-    on_gpu = has_cuda and config.device != "cpu"
-    if config.distributed_executor == "ray":  # a Ray cluster may span nodes: its resources are Ray's to count
-        check_ray_runs_here(on_gpu)
-    else:
+    if config.distributed_executor != "ray":  # a Ray cluster may span nodes: its resources are Ray's to count
         check_local_capacity(num_workers, on_gpu)
     if model_config := read_model_config(config):
         check_model_splits(model_config, config.tensor_parallel_size, config.pipeline_parallel_size)

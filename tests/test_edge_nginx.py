@@ -7,6 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import openai
 import pytest
 
 from app.settings import ServerSettings
@@ -80,3 +81,32 @@ def test_rest_and_a_socket_stream_through_nginx(nginx_in_front):
 
     access_log = (logs / "lockstep.access.log").read_text()
     assert "/basic_generate" in access_log and KEY not in access_log
+
+
+def test_the_responses_socket_streams_through_nginx_with_the_key_on_its_handshake(nginx_in_front):
+    url, _ = nginx_in_front
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    with client.responses.connect() as connection:
+        connection.response.create(model="smollm2", input="Hello", max_output_tokens=6, temperature=0)
+        kinds = []
+        while not kinds or kinds[-1] not in ("response.completed", "response.incomplete", "error"):
+            kinds.append(connection.recv().type)
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.count("response.output_text.delta") >= 2  # streamed, not buffered into one
+    response = client.responses.create(model="smollm2", input="Hello", max_output_tokens=3)  # REST, same path
+    assert response.usage.output_tokens <= 3
+
+
+def test_the_page_is_not_rate_limited_the_api_is_and_nginxs_refusals_are_json(nginx_in_front):
+    url, _ = nginx_in_front
+    page = [http("GET", url + path)[0] for path in ["/", "/health", "/ready"] + ["/static/app.js"] * 30]
+    assert set(page) == {200}  # about 20 requests a page load, and a reload at once
+    api = [http("GET", url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}) for _ in range(40)]
+    refused = [(headers, body) for status, headers, body in api if status == 429]
+    assert refused and all(body["error"]["code"] == "rate_limit_exceeded" and headers["Retry-After"] == "1"
+                           for headers, body in refused)  # burst 20 at 10 a second: most of 40 at once
+    status, _, body = http("POST", url + "/basic_generate", b"x" * (2 << 20),
+                           headers={"Authorization": f"Bearer {KEY}"})
+    assert (status, body["error"]["code"]) == (413, "request_entity_too_large")
+    status, _, body = http("GET", url + "/metrics")
+    assert (status, body["error"]["code"]) == (403, "forbidden")  # a scraper reads lockstep's own port

@@ -70,3 +70,12 @@ def test_a_draining_replica_gets_no_new_work_and_no_request_fails(replicas_behin
     assert http("GET", draining.url + "/ready")[0] == 503
     per_replica = served_by([draining, staying], lambda: (rest_calls(url, 6), socket_requests(url, 2)))
     assert per_replica == [0, 8]
+
+
+def test_with_no_replica_answering_nginx_says_503_in_locksteps_json(replicas_behind_nginx):
+    url, replicas = replicas_behind_nginx
+    for replica in replicas:
+        replica.server.shutdown()
+        replica.server.server_close()  # its port refuses connections now (the fixture stops the engines)
+    status, headers, body = http("POST", url + "/basic_generate", SHORT)
+    assert (status, body["error"]["code"], headers["Retry-After"]) == (503, "upstream_unavailable", "1")

@@ -187,6 +187,8 @@ def test_more_workers_than_cores_or_gpus(monkeypatch, tiny_model_dir):
     layout.check_layout(ray, "vllm", True)  # a Ray cluster may have the GPUs on other nodes
     with pytest.raises(BackendUnavailable, match="CPU build does not support Ray.*LOCKSTEP_DISTRIBUTED_EXECUTOR=mp"):
         layout.check_layout(ray, "vllm", False)
+    with pytest.raises(BackendUnavailable, match="CPU build does not support Ray"):  # vLLM starts Ray for one too
+        layout.check_layout(EngineConfig(model=tiny_model_dir, distributed_executor="ray"), "vllm", False)
 
 
 def test_a_thread_binding_must_name_one_core_group_per_worker(monkeypatch, tiny_model_dir):
