@@ -4,7 +4,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from engine.config import check_at_least_one, check_seconds, dataclass_from_env, variable
+from engine.config import check_at_least, check_seconds, dataclass_from_env, variable
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # gunicorn's
@@ -36,8 +36,8 @@ class ServerSettings:
 
     def __post_init__(self):
         self.allowed_origins = tuple(origin.rstrip("/") for origin in self.allowed_origins)
-        check_at_least_one(self, ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes",
-                                  "responses_store_entries", "responses_store_bytes", "workers", "http_threads"))
+        check_at_least(self, ("max_prompts", "max_body_bytes", "max_sockets", "ws_max_message_bytes",
+                              "responses_store_entries", "responses_store_bytes", "workers", "http_threads"))
         if not 1 <= self.port <= 65535:  # not 0: the origins allowed name the port, and a random one is unknown
             raise ValueError(f"{variable('port')} must be 1..65535, got {self.port}")
         if self.log_level.lower() not in LOG_LEVELS:

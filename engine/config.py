@@ -104,13 +104,11 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)
-        check_at_least_one(self, ("max_batch_size", "max_batch_kv_tokens", "model_copies", "max_queue",
-                                  "max_queue_per_client", "max_samples", "max_echo_logprob_entries",
-                                  "default_max_tokens", "max_stop_strings", "prefill_chunk_tokens",
-                                  "vllm_cpu_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"))
-        for name in ("max_model_len", "kernel_helper_rows", "prefix_cache_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{variable(name)} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, ("max_batch_size", "max_batch_kv_tokens", "model_copies", "max_queue",
+                              "max_queue_per_client", "max_samples", "max_echo_logprob_entries",
+                              "default_max_tokens", "max_stop_strings", "prefill_chunk_tokens",
+                              "vllm_cpu_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"))
+        check_at_least(self, ("max_model_len", "kernel_helper_rows", "prefix_cache_tokens"), minimum=0)
         if not 0 <= self.threads <= MAX_THREADS:
             raise ValueError(f"{variable('threads')} must be 0 (all cores but one) to {MAX_THREADS}, "
                              f"got {self.threads}")
@@ -171,11 +169,11 @@ def variable(name: str) -> str:
     return f"{name} (LOCKSTEP_{name.upper()})"
 
 
-def check_at_least_one(settings, names: tuple[str, ...]) -> None:
-    """A count setting below 1 is refused by name (a queue, a batch or a cap of 0 would serve nobody)."""
+def check_at_least(settings, names: tuple[str, ...], minimum: int = 1) -> None:
+    """A count setting below `minimum` is refused by name (a queue, a batch or a cap of 0 would serve nobody)."""
     for name in names:
-        if getattr(settings, name) < 1:
-            raise ValueError(f"{variable(name)} must be at least 1, got {getattr(settings, name)}")
+        if getattr(settings, name) < minimum:
+            raise ValueError(f"{variable(name)} must be at least {minimum}, got {getattr(settings, name)}")
 
 
 def check_seconds(settings, names: tuple[str, ...], zero_allowed: bool = False) -> None:

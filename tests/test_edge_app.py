@@ -402,7 +402,7 @@ def test_a_setting_out_of_range_is_refused_by_name(variable, value, says):
     ("LOCKSTEP_THREADS", "-1", "LOCKSTEP_THREADS.* must be 0"),
     ("LOCKSTEP_GPU_MEMORY_UTILIZATION", "nan", r"LOCKSTEP_GPU_MEMORY_UTILIZATION\) must be a fraction in \(0, 1\]"),
     ("LOCKSTEP_GPU_MEMORY_UTILIZATION", "-5", "LOCKSTEP_GPU_MEMORY_UTILIZATION.* must be a fraction"),
-    ("LOCKSTEP_MAX_MODEL_LEN", "-1", r"max_model_len \(LOCKSTEP_MAX_MODEL_LEN\) must be >= 0"),
+    ("LOCKSTEP_MAX_MODEL_LEN", "-1", r"max_model_len \(LOCKSTEP_MAX_MODEL_LEN\) must be at least 0, got -1"),
     ("LOCKSTEP_MAX_BATCH_SIZE", "0", "LOCKSTEP_MAX_BATCH_SIZE.* must be at least 1"),
     ("LOCKSTEP_DTYPE", "int8", r"dtype \(LOCKSTEP_DTYPE\) must be one of"),
 ])
