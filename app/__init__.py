@@ -5,7 +5,7 @@ from typing import Callable, TypeVar
 from flask import Flask
 
 from engine import BackendUnavailable, EngineConfig, LLMEngine, WorkerFailed
-from engine import ModelNotFound
+from engine import ModelNotFound, UnsupportedModel
 
 from . import api, openapi, ops, pages, responses, responses_ws, sockets, ws
 from .errors import register_error_handlers
@@ -46,7 +46,8 @@ def create_app(config: dict | None = None) -> Flask:
     if app.config["START_ENGINE"]:
         try:
             engine.start(wait=app.config["WAIT_FOR_MODEL"])
-        except (BackendUnavailable, ModelNotFound, WorkerFailed) as exc:  # WorkerFailed: the model did not load
+        # WorkerFailed: the model did not load
+        except (BackendUnavailable, ModelNotFound, UnsupportedModel, WorkerFailed) as exc:
             raise _startup_failure(str(exc)) from None
     return app
 

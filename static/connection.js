@@ -75,10 +75,13 @@ export async function loadModelCard() {
     const model = data.data[0];
     readLimits(model);
     if (model.max_model_len) $("max_tokens").max = String(model.max_model_len);
-    const parts = [displayName(model.id), model.backend, model.weights || model.dtype, model.device]
+    const parts = [displayName(model.id), model.architecture, model.backend, model.weights || model.dtype,
+      model.device]
       .filter(Boolean);
     badge.textContent = parts.join(" · ") + (model.ready ? "" : " (loading)");
     badge.title = [`model: ${model.id}`, model.backend_reason && `backend: ${model.backend_reason}`,
+      model.weight_types && Object.keys(model.weight_types).length &&
+        `weights in the file: ${Object.entries(model.weight_types).map(([t, n]) => `${t} x${n}`).join(", ")}`,
       model.compute && `compute: ${model.compute}`, model.compute_reason && `why: ${model.compute_reason}`]
       .filter(Boolean).join("\n");
     badge.classList.remove("bad");

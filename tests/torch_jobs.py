@@ -82,7 +82,17 @@ def _q4_recompute(model, model_dir: str):
     return next_logits
 
 
+def build_gguf_models(target: str, families: list[str], tokenizer_dir: str, **options) -> dict:
+    """tests/gguf_models.py's file and reference folder of each family (the n-th family seeded with n)."""
+    from tests.gguf_models import write_model
+
+    return {family: write_model(target, family, tokenizer_dir, seed=seed, **options)
+            for seed, family in enumerate(families)}
+
+
 if __name__ == "__main__":
     job, arguments = sys.argv[1], json.loads(sys.argv[2])
-    result = {"build_tiny_model": build_tiny_model, "recompute_greedy": recompute_greedy}[job](**arguments)
+    jobs = {"build_tiny_model": build_tiny_model, "recompute_greedy": recompute_greedy,
+            "build_gguf_models": build_gguf_models}
+    result = jobs[job](**arguments)
     sys.stdout.write(json.dumps(result) + "\n")

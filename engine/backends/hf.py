@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections import deque
+from pathlib import Path
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +31,7 @@ from ..errors import describe
 from ..hardware import choose_dtype, detect_host, memory_headroom, torch_threads
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, PromptLogprobs, StepOutput, WorkerSampling, eos_ids
-from ..model_store import gguf_of, gguf_tensors_copy
+from ..model_store import gguf_of, source_record, tensors_copy_beside
 from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
@@ -95,8 +96,13 @@ class HFBackend(Backend):
             logger.info("torch threads: %d of %d, on %s", threads, config.num_threads, why_fewer)
         torch.set_num_threads(threads)
         self.device = torch.device(resolve_device(config.device))
+        self.model_path = model_path
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
+        layout_problem = Q4Weights.layout_problem(gguf) if gguf is not None else ""
+        if layout_problem:  # a GGUF of other blocks: its weights dequantized, as for a Hugging Face folder
+            gguf = None
         q4_mode, why_not = _q4_mode(config, gguf)
+        why_not = layout_problem or why_not
         dtype, self.compute_reason = ("float32", "the model's own 4-bit blocks") if q4_mode else \
             choose_dtype(config.dtype, self.device.type, host)
         if why_not:
@@ -138,7 +144,7 @@ class HFBackend(Backend):
             eos_token_ids=_eos_token_ids(self.model), compute=self._forward_name(),
             weights="q4_1" if self.fast_decoder is not None and self.fast_decoder.q4 is not None else "",
             compute_reason=f"{host.describe()}: {self.compute_reason}", prefix_cache=self.prefix_cache is not None,
-            kv_per_row=self.kv_per_row)
+            kv_per_row=self.kv_per_row, **_family_of(model_path, self.model.config))
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
                                         self.info.eos_token_ids)  # JSON mode; loads on first use
         logger.info("transformers backend: %s on %s, %d threads, prefill chunks of %d tokens, %s attention, "
@@ -217,7 +223,7 @@ class HFBackend(Backend):
             self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
         # ValueError: not a layout the kernels read
-        weights = Q4Weights.from_gguf(gguf, self.model.config, gguf_tensors_copy(config.cache_dir))
+        weights = Q4Weights.from_gguf(gguf, self.model.config, tensors_copy_beside(Path(self.model_path)))
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
         kernels = load_q4_kernels(config.cache_dir, helpers, exact)
@@ -591,6 +597,14 @@ def _q4_mode(config: EngineConfig, gguf: str | None) -> tuple[str, str]:
     if config.dtype != "auto":
         return "", "weights=auto keeps a configured dtype exact"
     return "q4", ""
+
+
+def _family_of(model_path: str, model_config) -> dict:
+    """ModelInfo's architecture and weight types: a prepared GGUF's, else the folder's model_type."""
+    record = source_record(Path(model_path)) or {}
+    types = record.get("types") if isinstance(record.get("types"), dict) else {}
+    return {"architecture": str(record.get("architecture") or getattr(model_config, "model_type", "")),
+            "weight_types": tuple((str(name), int(count)) for name, count in types.items())}
 
 
 def _greedy_tokens(rows: list[Row], logits: torch.Tensor) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..gguf_file import read_gguf
 from ..gguf_tensors import read_tensors
 from ..hardware import cpu_flags
 from ..memory import release_freed_memory
@@ -341,6 +342,23 @@ class Q4Weights:
 
     def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor]):
         self.layers, self.lm_head, self.norms = layers, lm_head, norms
+
+    @staticmethod
+    def layout_problem(path: str) -> str:
+        """Why the kernels cannot read `path`'s blocks as they are ("" where they can): they read a Llama-shaped
+        model whose projections are Q4_1 and whose lm_head is Q4_1 or Q8_0 (the embedded model's layout)."""
+        gguf = read_gguf(path)
+        if gguf.architecture != "llama":
+            return f"the 4-bit kernels read llama files, this one is {gguf.architecture}"
+        for tensor in gguf.tensors.values():
+            projection = tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and \
+                len(tensor.shape) == 2
+            if projection and tensor.type_name != "Q4_1":
+                return f"the 4-bit kernels read Q4_1 projections, {tensor.name} is {tensor.type_name}"
+        head = gguf.tensors.get("output.weight") or gguf.tensors["token_embd.weight"]
+        if head.type_name not in GGUF_FORMATS:
+            return f"the 4-bit kernels read a Q4_1 or Q8_0 lm_head, {head.name} is {head.type_name}"
+        return ""
 
     @classmethod
     def from_gguf(cls, path: str, config, copy_path: Path | None = None) -> "Q4Weights":

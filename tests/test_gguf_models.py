@@ -1,0 +1,193 @@
+"""A user's own GGUF file: refused at start in one line when lockstep will not serve it, and otherwise prepared
+once and served, in every family, as exactly the weights its blocks hold (a Hugging Face folder of the same
+weights, tests/gguf_models.py, is the reference)."""
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import STARTUP_FAILURE_EXIT_CODE, create_app
+from engine import EngineConfig, SamplingParams
+from engine.gguf_file import InvalidGGUF, read_gguf
+from engine.model_store import SOURCE_RECORD, UnsupportedModel, prepared_dir, prepared_model
+
+from .client import http
+from .torch_jobs import REPO, run_job
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+PROMPTS = ([1, 504, 3575, 282, 4649, 314], [1, 19556, 665], [28, 216, 29, 216, 30])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory, smol_model_dir) -> dict[str, dict]:
+    """Each family's file (every block type among its projections) and its reference folder."""
+    target = tmp_path_factory.mktemp("gguf")
+    return run_job("build_gguf_models", target=str(target), families=FAMILIES, tokenizer_dir=smol_model_dir,
+                   add_bos_to=["qwen2"], prompts=PROMPTS)
+
+
+# -- a file lockstep will not serve ------------------------------------------------------------------------------
+
+def _string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _header(fields: list[bytes], tensors: list[bytes], num_tensors: int | None = None, version: int = 3) -> bytes:
+    count = len(tensors) if num_tensors is None else num_tensors
+    return b"GGUF" + struct.pack("<IQQ", version, count, len(fields)) + b"".join(fields) + b"".join(tensors)
+
+
+def _field_string(key: str, value: str) -> bytes:
+    return _string(key) + struct.pack("<I", 8) + _string(value)
+
+
+def _tensor(name: str, shape: tuple[int, ...], type_id: int = 0, offset: int = 0) -> bytes:
+    return _string(name) + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape) + \
+        struct.pack("<IQ", type_id, offset)
+
+
+ARCH = _field_string("general.architecture", "llama")
+BAD_FILES = {
+    "not a GGUF": (b"<html>a download page, not a model</html>" * 4, "is not a GGUF file"),
+    "an old version": (_header([ARCH], [], version=1), "version 1"),
+    "a truncated header": (_header([ARCH, _field_string("general.name", "x" * 100)], [])[:60], "a truncated file"),
+    "a 10 MB string": (_header([_string("general.name") + struct.pack("<IQ", 8, 10 << 20)], []),
+                       "10,485,760 bytes long"),
+    "a million-entry vocabulary": (_header([ARCH, _string("tokenizer.ggml.tokens") +
+                                            struct.pack("<IIQ", 9, 8, 1_000_000)], []), "1,000,000 entries"),
+    "a billion tensors": (_header([ARCH], [], num_tensors=1 << 30), "1,073,741,824 tensors"),
+    "absurd dimensions": (_header([ARCH], [_tensor("token_embd.weight", (1 << 40, 1 << 40))]), "has the shape"),
+    "a tensor past the end": (_header([ARCH], [_tensor("token_embd.weight", (64, 64), offset=1 << 30)]),
+                              "ends past the file"),
+    "an IQ type": (_header([ARCH], [_tensor("token_embd.weight", (256, 4), type_id=23)]),
+                   "token_embd.weight is IQ4_XS, which lockstep does not read (it reads F32, F16, Q4_0"),
+    "another architecture": (_header([_field_string("general.architecture", "mamba")], []),
+                             "architecture 'mamba' is not one lockstep serves (it serves llama, qwen2, qwen3, "
+                             "gemma3)"),
+    "no head count": (_header([ARCH, _string("llama.embedding_length") + struct.pack("<II", 4, 64)], []),
+                   "the field llama.attention.head_count is missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_a_file_lockstep_will_not_serve_is_refused_in_one_line(tmp_path, kind):
+    content, expected = BAD_FILES[kind]
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(InvalidGGUF) as refused:
+        read_gguf(str(path))
+    message = str(refused.value)
+    assert expected in message and "\n" not in message and str(path) in message
+
+
+def _u32(key: str, value: int) -> bytes:
+    return _string(key) + struct.pack("<II", 4, value)
+
+
+SHAPE_FIELDS = [ARCH, _u32("llama.block_count", 1), _u32("llama.embedding_length", 64),
+                _u32("llama.attention.head_count", 4), _u32("llama.feed_forward_length", 128),
+                _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + _string("b")]
+
+
+@pytest.mark.parametrize("tensors, expected", [
+    ([_tensor("token_embd.weight", (64, 100))], "tensor output_norm.weight is missing (architecture llama)"),
+    ([_tensor("token_embd.weight", (64, 100)), _tensor("output_norm.weight", (32,), offset=25600)],
+     "tensor output_norm.weight has the shape [32], llama with these hyperparameters reads [64]"),
+    ([_tensor("token_embd.weight", (64, 1))], "the tokenizer has 2 tokens, the embedding 1 rows")])
+def test_a_tensor_the_architecture_does_not_read_as_it_is_is_refused(tmp_path, tensors, expected):
+    path = tmp_path / "model.gguf"
+    header = _header(SHAPE_FIELDS, tensors)
+    path.write_bytes(header + bytes(-len(header) % 32) + bytes(64 * 100 * 4 + 128))
+    with pytest.raises(InvalidGGUF) as refused:
+        read_gguf(str(path))
+    assert str(refused.value) == f"{path}: {expected}"
+
+
+def test_a_file_cut_short_is_refused(family_files, tmp_path):
+    good = read_gguf(family_files["llama"]["gguf"])
+    assert good.architecture == "llama" and good.type_counts()["Q4_K"] >= 1
+    cut = tmp_path / "cut.gguf"
+    data = Path(family_files["llama"]["gguf"]).read_bytes()
+    cut.write_bytes(data[:len(data) - 1000])  # the last tensor's bytes cut short
+    with pytest.raises(InvalidGGUF, match="ends past the file's"):
+        read_gguf(str(cut))
+
+
+def test_the_server_and_the_prepare_command_stop_with_one_line(tmp_path, cache_dir, caplog):
+    bad = tmp_path / "iq.gguf"
+    bad.write_bytes(BAD_FILES["an IQ type"][0])
+    with pytest.raises(SystemExit) as stopped:
+        create_app({"ENGINE": EngineConfig(model=str(bad), cache_dir=cache_dir)})
+    assert stopped.value.code == STARTUP_FAILURE_EXIT_CODE
+    [line] = [r.message for r in caplog.records if r.levelname == "CRITICAL"]
+    assert line.startswith("lockstep cannot start: ") and "is IQ4_XS, which lockstep does not read" in line
+    done = subprocess.run([sys.executable, "-m", "engine.prepare_model", "--gguf", str(bad), "--cache-dir", cache_dir],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "IQ4_XS" in done.stderr and "Traceback" not in done.stderr
+    with pytest.raises(UnsupportedModel, match="is not a regular file"):
+        prepared_model(str(tmp_path), cache_dir)
+
+
+# -- a file lockstep serves --------------------------------------------------------------------------------------
+
+def _greedy(make_engine, model: str, cache_dir: str) -> tuple[list[tuple[int, ...]], object]:
+    engine = make_engine(model, cache_dir=cache_dir)
+    outputs = [engine.submit(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=8, temperature=0,
+                                                                              ignore_eos=True)).result(120)
+               for prompt in PROMPTS]
+    return [output.output_token_ids for output in outputs], engine.info
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_computes_its_blocks_as_the_same_weights_in_a_folder(family_files, family, make_engine,
+                                                                          cache_dir):
+    """Architecture, hyperparameters and every block type read as llama.cpp writes them (q/k rows permuted for
+    llama, Gemma's norms as 1 + w, Qwen2's biases, Qwen3's and Gemma's q/k norms, Gemma's sliding window, tied
+    and untied embeddings): the served file's greedy tokens are the reference folder's own generate's."""
+    files = family_files[family]
+    served, info = _greedy(make_engine, files["gguf"], cache_dir)
+    assert served == [tuple(tokens) for tokens in files["greedy"]]  # the folder's model.generate
+    assert len({tokens for tokens in served}) == len(PROMPTS)  # the prompts steer the model: a real comparison
+    types = dict(info.weight_types)
+    assert info.architecture == family and {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "BF16"} <= set(types)
+
+
+def test_a_served_file_chats_with_its_own_template_and_says_what_it_is(family_files, make_server_for, cache_dir):
+    files = family_files["qwen2"]
+    server = make_server_for(files["gguf"], cache_dir=cache_dir)
+    status, _, models = http("GET", f"{server.url}/v1/models")
+    card = models["data"][0]
+    assert status == 200 and card["architecture"] == "qwen2" and card["weight_types"]["Q4_K"] == 2
+    assert card["compute_reason"].endswith("(the 4-bit kernels read llama files, this one is qwen2)")
+    # The file says add_bos_token: a plain prompt starts with the BOS; the chat template is the file's (ChatML).
+    status, _, tokens = http("POST", f"{server.url}/tokenize", {"prompt": "Hello"})
+    assert status == 200 and tokens["tokens"][0] == 1
+    messages = [{"role": "user", "content": "Hello"}]
+    status, _, answer = http("POST", f"{server.url}/v1/chat/completions", {"messages": messages, "max_tokens": 4})
+    assert status == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length")
+    status, _, chat_tokens = http("POST", f"{server.url}/tokenize", {"messages": messages})
+    assert server.state.engine.tokenizer.decode(chat_tokens["tokens"]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+    assert 2 in server.state.engine.info.eos_token_ids  # <|im_end|> ends a turn
+
+
+def test_a_replaced_file_is_prepared_again(family_files, cache_dir, tmp_path):
+    gguf = tmp_path / "copy.gguf"
+    gguf.write_bytes(Path(family_files["llama"]["gguf"]).read_bytes())
+    folder = prepared_model(str(gguf), cache_dir)
+    first = json.loads((folder / SOURCE_RECORD).read_text())
+    assert folder == prepared_dir(str(gguf), cache_dir) and first["types"]["Q6_K"] == 2
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert json.loads((prepared_model(str(gguf), cache_dir) / SOURCE_RECORD).read_text())["source"] != first["source"]
