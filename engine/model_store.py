@@ -22,7 +22,6 @@ from .config import DEFAULT_MODEL, EngineConfig
 from .errors import InvalidRequest
 from .gguf_convert import write_folder
 from .gguf_file import GGUFFile, InvalidGGUF, is_gguf, read_gguf
-from .gguf_tensors import read_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -153,17 +152,6 @@ def gguf_of(model_path: str, config: EngineConfig) -> str | None:
     return str(gguf) if gguf.exists() else None
 
 
-def gguf_tensors_copy(cache_dir: str) -> Path:
-    """Where the embedded GGUF's tensors are kept as safetensors (engine/gguf_tensors.py)."""
-    return tensors_copy_beside(default_model_dir(cache_dir))
-
-
-def tensors_copy_beside(model_dir: Path) -> Path:
-    """Where a prepared GGUF's tensors are kept as safetensors: beside its folder, not in it, where vLLM's loader
-    would take it for weights."""
-    return model_dir.with_name(model_dir.name + ".gguf-tensors.safetensors")
-
-
 def prepare_default_model(cache_dir: str) -> Path:
     return prepare_gguf_model(str(find_gguf()), cache_dir)
 
@@ -187,6 +175,4 @@ def prepare_gguf_model(gguf_path: str, cache_dir: str) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)  # atomic: a half-written folder is never mistaken for a model
     logger.info("%s prepared in %s", gguf_path, target)
-    if _is_embedded(Path(checked.path).resolve()):  # the first model worker then starts as fast as the next
-        read_tensors(checked.path, tensors_copy_beside(target))
     return target

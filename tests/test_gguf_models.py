@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from app import STARTUP_FAILURE_EXIT_CODE, create_app
@@ -99,6 +100,24 @@ SHAPE_FIELDS = [ARCH, _u32("llama.block_count", 1), _u32("llama.embedding_length
                 _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + _string("b")]
 
 
+def test_the_reader_reads_what_gguf_py_reads(family_files):
+    """engine/gguf_file.py's metadata and tensors (bytes in place) against gguf-py's own reader, on the embedded
+    model's file and a file of every block type."""
+    from gguf import GGUFReader
+
+    from engine.model_store import find_gguf
+
+    for path in (str(find_gguf()), family_files["llama"]["gguf"]):
+        ours, theirs = read_gguf(path), GGUFReader(path)
+        assert list(ours.tensors) == [tensor.name for tensor in theirs.tensors]
+        for tensor in theirs.tensors:
+            mine = ours.tensors[tensor.name]
+            assert (mine.type_name, mine.shape) == (tensor.tensor_type.name, tuple(int(d) for d in tensor.shape))
+            assert bytes(ours.tensor_data(tensor.name)) == np.ascontiguousarray(tensor.data).tobytes()
+        assert ours.metadata["tokenizer.ggml.tokens"] == theirs.fields["tokenizer.ggml.tokens"].contents()
+        assert ours.metadata["tokenizer.chat_template"] == theirs.fields["tokenizer.chat_template"].contents()
+
+
 @pytest.mark.parametrize("tensors, expected", [
     ([_tensor("token_embd.weight", (64, 100))], "tensor output_norm.weight is missing (architecture llama)"),
     ([_tensor("token_embd.weight", (64, 100)), _tensor("output_norm.weight", (32,), offset=25600)],
@@ -162,13 +181,55 @@ def test_every_family_computes_its_blocks_as_the_same_weights_in_a_folder(family
     assert info.architecture == family and {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "BF16"} <= set(types)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_1", "Q5_K", "Q6_K", "F16", "BF16",
+                                       "F32"])
+def test_every_block_type_reaches_the_4_bit_kernels_with_its_values(family_files, type_name):
+    """block_repack.py against gguf-py's own dequantization of the file's blocks: Q4_1, Q8_0, Q4_0 and Q5_0 exactly,
+    Q4_K but for its scales' rounding to float16, the rest within Q8_0's rounding."""
+    from gguf import GGMLQuantizationType, quants
+
+    from engine.backends.block_repack import FORMAT_Q4_1, KEPT, kernel_blocks
+
+    gguf = read_gguf(family_files["llama"]["gguf"])
+    [tensor] = [t for t in gguf.tensors.values() if t.type_name == type_name and len(t.shape) == 2][:1]
+    stored = quants.dequantize(gguf.tensor_data(tensor.name), GGMLQuantizationType[type_name])
+    format_, blocks = kernel_blocks(type_name, gguf.tensor_data(tensor.name), tensor.shape[1])
+    read = quants.dequantize(blocks, GGMLQuantizationType["Q4_1" if format_ == FORMAT_Q4_1 else "Q8_0"])
+    error = np.abs(read.reshape(stored.shape) - stored).reshape(-1, 32)
+    block_max = np.abs(stored).reshape(-1, 32).max(axis=1, keepdims=True)
+    if type_name == "Q4_K":
+        # a q - b (q < 16), a and b each within half a float16 step: 2^-11 (15 a + b), and 15 a + b is at most
+        # 3 block maxima (2^-25 a step below float16's normal range)
+        assert format_ == FORMAT_Q4_1 and (error <= 3 * 2.0 ** -11 * block_max + 16 * 2.0 ** -25).all()
+    elif type_name in KEPT:
+        assert (error == 0).all()
+    else:
+        # half a step of d = max / 127, and d's own rounding to float16 for up to 127 steps (2^-11 d, or 2^-25
+        # below float16's normal range)
+        assert (error <= block_max / 127 * (0.5 + 127 * 2.0 ** -11) + 127 * 2.0 ** -25).all() and error.max() > 0
+
+
+def test_a_llama_file_of_every_type_runs_on_the_4_bit_kernels(family_files, make_engine, cache_dir):
+    """The file's blocks repacked (q/k rows permuted back, q/k/v of two formats fused as Q8_0, an untied token
+    embedding): with float32 activations, the kernels' greedy tokens are the float32 model's on the same weights."""
+    files = family_files["llama"]
+    engine = make_engine(files["gguf"], cache_dir=cache_dir, dtype="auto", weights="exact")
+    assert engine.info.weights == "q4_1+q8_0" and "4-bit kernels" in engine.info.compute
+    served = [engine.submit(prompt_token_ids=list(prompt), sampling=SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True)).result(120)
+              .output_token_ids for prompt in PROMPTS]
+    expected = run_job("same_blocks_greedy", model_dir=str(prepared_dir(files["gguf"], cache_dir)),
+                       gguf=files["gguf"], prompts=PROMPTS, num_tokens=8)
+    assert served == [tuple(tokens) for tokens in expected]
+
+
 def test_a_served_file_chats_with_its_own_template_and_says_what_it_is(family_files, make_server_for, cache_dir):
     files = family_files["qwen2"]
     server = make_server_for(files["gguf"], cache_dir=cache_dir)
     status, _, models = http("GET", f"{server.url}/v1/models")
     card = models["data"][0]
     assert status == 200 and card["architecture"] == "qwen2" and card["weight_types"]["Q4_K"] == 2
-    assert card["compute_reason"].endswith("(the 4-bit kernels read llama files, this one is qwen2)")
+    assert card["compute_reason"].endswith("(the 4-bit kernels run llama files, this one is qwen2)")
     # The file says add_bos_token: a plain prompt starts with the BOS; the chat template is the file's (ChatML).
     status, _, tokens = http("POST", f"{server.url}/tokenize", {"prompt": "Hello"})
     assert status == 200 and tokens["tokens"][0] == 1

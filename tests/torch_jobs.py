@@ -90,9 +90,26 @@ def build_gguf_models(target: str, families: list[str], tokenizer_dir: str, **op
             for seed, family in enumerate(families)}
 
 
+def same_blocks_greedy(model_dir: str, gguf: str, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """The float32 model given exactly the weights the 4-bit kernels read from `gguf` (block_repack.py), decoding
+    greedily with its own forward (EOS ignored)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.backends.q4 import Q4Weights
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    Q4Weights.from_gguf(gguf, model.config).give_model_the_same_weights(model)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+
+
 if __name__ == "__main__":
     job, arguments = sys.argv[1], json.loads(sys.argv[2])
     jobs = {"build_tiny_model": build_tiny_model, "recompute_greedy": recompute_greedy,
-            "build_gguf_models": build_gguf_models}
+            "build_gguf_models": build_gguf_models, "same_blocks_greedy": same_blocks_greedy}
     result = jobs[job](**arguments)
     sys.stdout.write(json.dumps(result) + "\n")

@@ -31,14 +31,15 @@ from ..errors import describe
 from ..hardware import choose_dtype, detect_host, memory_headroom, torch_threads
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, PromptLogprobs, StepOutput, WorkerSampling, eos_ids
-from ..model_store import gguf_of, source_record, tensors_copy_beside
+from ..model_store import gguf_of, source_record
 from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
 from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
 from .kv_cache import RowKVCache, SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
-from .q4 import Q4Kernels, Q4Weights, empty_float32_model, load_q4_kernels
+from .q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Kernels, Q4Weights,
+                 empty_float32_model, load_q4_kernels)
 from .sampler import TokenSampler, add_prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,6 @@ class HFBackend(Backend):
             logger.info("torch threads: %d of %d, on %s", threads, config.num_threads, why_fewer)
         torch.set_num_threads(threads)
         self.device = torch.device(resolve_device(config.device))
-        self.model_path = model_path
         gguf = gguf_of(model_path, config) if self.device.type == "cpu" else None
         layout_problem = Q4Weights.layout_problem(gguf) if gguf is not None else ""
         if layout_problem:  # a GGUF of other blocks: its weights dequantized, as for a Hugging Face folder
@@ -142,7 +142,7 @@ class HFBackend(Backend):
             model=model_path, backend="hf", dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device), max_model_len=_context_length(self.model.config, config.max_model_len),
             eos_token_ids=_eos_token_ids(self.model), compute=self._forward_name(),
-            weights="q4_1" if self.fast_decoder is not None and self.fast_decoder.q4 is not None else "",
+            weights=self._kernel_formats(),
             compute_reason=f"{host.describe()}: {self.compute_reason}", prefix_cache=self.prefix_cache is not None,
             kv_per_row=self.kv_per_row, **_family_of(model_path, self.model.config))
         self.grammars = GrammarCompiler(model_path, getattr(self.model.config, "vocab_size", None),
@@ -223,7 +223,7 @@ class HFBackend(Backend):
             self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
         # ValueError: not a layout the kernels read
-        weights = Q4Weights.from_gguf(gguf, self.model.config, tensors_copy_beside(Path(self.model_path)))
+        weights = Q4Weights.from_gguf(gguf, self.model.config)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
         kernels = load_q4_kernels(config.cache_dir, helpers, exact)
@@ -257,12 +257,20 @@ class HFBackend(Backend):
             return None
         return load_bf16_kernels(config.cache_dir)
 
+    def _kernel_formats(self) -> str:
+        """The block formats the 4-bit kernels read the layers in ("q4_1", "q4_1+q8_0", ...), "" off that path."""
+        if self.fast_decoder is None or self.fast_decoder.q4 is None:
+            return ""
+        names = {FORMAT_Q4_1: "q4_1", FORMAT_Q4_1_X8: "q4_1", FORMAT_Q8_0: "q8_0", FORMAT_Q8_0_X8: "q8_0"}
+        return "+".join(sorted({names[f] for f in self.fast_decoder.q4_stack.layer_formats}))
+
     def _forward_name(self) -> str:
         if self.fast_decoder is None:
             return "the model's forward"
         decoder = self.fast_decoder
         if decoder.q4 is not None:
-            return f"4-bit Q4_1 weights on {decoder.q4.name}, a decode step in one call"
+            return f"4-bit {self._kernel_formats().replace('_', '').upper()} weights on {decoder.q4.name}, " \
+                "a decode step in one call"
         if decoder.kernels is None:
             return "fast forward on oneDNN's matmuls"
         if decoder.stack is None:

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..gguf_file import read_gguf
-from ..gguf_tensors import read_tensors
+from ..gguf_file import GGUFFile, read_gguf
 from ..hardware import cpu_flags
 from ..memory import release_freed_memory
+from .block_repack import REPACKED, kernel_blocks, q8_0_of
 from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,6 @@ BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
 BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34}
 INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
-GGUF_FORMATS = {"Q4_1": FORMAT_Q4_1, "Q8_0": FORMAT_Q8_0}
 PROBE_ROWS = 19
 # Keys are kept in blocks of this many positions, positions in lanes (q4_kernels.c's KEY_BLOCK): a cache's capacity
 # is a multiple of it, and a copy of a cache's first positions copies whole blocks (key_positions reads them back).
@@ -60,8 +59,9 @@ class Q4Kernels:
         self._rows.argtypes = [pointer, integer, pointer, size, size, pointer]
         self._rows.restype = None
         self._forward = library.lockstep_q4_forward
-        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, size, pointer,
-                                  pointer, pointer, pointer, ctypes.c_float, pointer, pointer, size, integer, integer]
+        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, pointer, size,
+                                  pointer, pointer, pointer, pointer, ctypes.c_float, pointer, pointer, size, integer,
+                                  integer]
         self._forward.restype = ctypes.c_int
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
@@ -155,12 +155,12 @@ class Q4Kernels:
         if logit_rows.dtype != torch.int64 or logit_rows.dim() != 1 or len(logit_rows) > rows \
                 or (len(logit_rows) and not bool(((logit_rows >= 0) & (logit_rows < rows)).all())):
             raise ValueError("forward: logit rows outside the rows")
-        dims = (ctypes.c_int64 * 9)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
-                                    stack.intermediate, caches.num_slots, stack.vocabulary, stack.lm_head_format,
-                                    stack.layer_format)
+        dims = (ctypes.c_int64 * 8)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+                                    stack.intermediate, caches.num_slots, stack.vocabulary, stack.lm_head_format)
         slots, positions, logit_rows = slots.contiguous(), positions.contiguous(), logit_rows.contiguous()
         logits = torch.empty((len(logit_rows), stack.vocabulary), dtype=torch.float32)
-        failed = rows and self._forward(dims, stack.num_layers, stack.pointers, stack.eps, caches.keys.data_ptr(),
+        failed = rows and self._forward(dims, stack.num_layers, stack.pointers, stack.formats, stack.eps,
+                                        caches.keys.data_ptr(),
                                         caches.values.data_ptr(), caches.capacities.data_ptr(), hidden.data_ptr(),
                                         rows, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                         stack.scaling, logits.data_ptr(), logit_rows.data_ptr(), len(logit_rows),
@@ -337,76 +337,83 @@ class Q4Layer:
 
 
 class Q4Weights:
-    """A Llama-shaped model's blocks from its GGUF: per layer the fused q/k/v, output, fused gate/up and down
-    (Q4_1), and the lm_head (the tied token embedding, Q8_0)."""
+    """A Llama-shaped model's blocks from its GGUF, as the kernels read them (block_repack.py: Q4_1 or Q8_0): per
+    layer the fused q/k/v, output, fused gate/up and down, and the lm_head (the tied token embedding where there is
+    no output.weight); `embedding`, an untied model's token embedding dequantized (None where tied)."""
 
-    def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor]):
-        self.layers, self.lm_head, self.norms = layers, lm_head, norms
+    def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor],
+                 embedding: torch.Tensor | None = None):
+        self.layers, self.lm_head, self.norms, self.embedding = layers, lm_head, norms, embedding
 
     @staticmethod
     def layout_problem(path: str) -> str:
-        """Why the kernels cannot read `path`'s blocks as they are ("" where they can): they read a Llama-shaped
-        model whose projections are Q4_1 and whose lm_head is Q4_1 or Q8_0 (the embedded model's layout)."""
+        """Why the kernels cannot compute `path`'s model ("" where they can): they run a Llama-shaped model whose
+        projections and lm_head are of a type block_repack.py reads."""
         gguf = read_gguf(path)
         if gguf.architecture != "llama":
-            return f"the 4-bit kernels read llama files, this one is {gguf.architecture}"
+            return f"the 4-bit kernels run llama files, this one is {gguf.architecture}"
         for tensor in gguf.tensors.values():
-            projection = tensor.name.startswith("blk.") and tensor.name.endswith(".weight") and \
-                len(tensor.shape) == 2
-            if projection and tensor.type_name != "Q4_1":
-                return f"the 4-bit kernels read Q4_1 projections, {tensor.name} is {tensor.type_name}"
-        head = gguf.tensors.get("output.weight") or gguf.tensors["token_embd.weight"]
-        if head.type_name not in GGUF_FORMATS:
-            return f"the 4-bit kernels read a Q4_1 or Q8_0 lm_head, {head.name} is {head.type_name}"
+            if len(tensor.shape) == 2 and tensor.type_name not in REPACKED:
+                return f"the 4-bit kernels read {', '.join(REPACKED)}; {tensor.name} is {tensor.type_name}"
         return ""
 
     @classmethod
-    def from_gguf(cls, path: str, config, copy_path: Path | None = None) -> "Q4Weights":
-        """Raises ValueError for a GGUF whose tensors are not the 4-bit Llama layout these kernels read.
-        `copy_path`: where the GGUF's tensors are kept as safetensors (engine/gguf_tensors.py)."""
-        tensors = read_tensors(path, copy_path)
+    def from_gguf(cls, path: str, config) -> "Q4Weights":
+        """Raises ValueError for a GGUF whose tensors are not a Llama layout these kernels read. The tensors are
+        read from the file in place (memory-mapped) and repacked once, here."""
+        gguf = read_gguf(path)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
-        def weight(name: str, permute_heads: int = 0, allowed: tuple[str, ...] = ("Q4_1",)) -> QuantizedWeight:
-            tensor = tensors.get(name)
-            if tensor is None or tensor.type_name not in allowed:
-                raise ValueError(f"{name}: {'missing' if tensor is None else tensor.type_name}, "
-                                 f"not {' or '.join(allowed)}")
-            in_features, out_features = (int(d) for d in tensor.shape)
-            blocks = np.asarray(tensor.data).reshape(out_features, -1)
-            if permute_heads:  # transformers' reverse permutation of q/k rows (convert_hf_to_gguf's inverse)
-                blocks = blocks.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
+        def blocks(name: str, permute_heads: int = 0) -> tuple[int, np.ndarray, int, int]:
+            tensor = gguf.tensors.get(name)
+            if tensor is None or len(tensor.shape) != 2:
+                raise ValueError(f"{name}: missing or not a matrix")
+            in_features, out_features = tensor.shape
+            format_, data = kernel_blocks(tensor.type_name, gguf.tensor_data(name), out_features)
+            if permute_heads:  # convert_hf_to_gguf's q/k row permutation, undone (transformers' row order)
+                data = data.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
                     .swapaxes(1, 2).reshape(out_features, -1)
-            return QuantizedWeight(torch.from_numpy(np.array(blocks, order="C")),
-                                   GGUF_FORMATS[tensor.type_name], out_features, in_features)
+            return format_, data, out_features, in_features
+
+        def weight(*parts: tuple[int, np.ndarray, int, int]) -> QuantizedWeight:
+            """One weight of its parts' rows: in one format, Q8_0 where the parts came in both."""
+            formats = {format_ for format_, *_ in parts}
+            chosen = formats.pop() if len(formats) == 1 else FORMAT_Q8_0
+            data = np.concatenate([data if format_ == chosen else q8_0_of(format_, data)
+                                   for format_, data, _, _ in parts])
+            return QuantizedWeight(torch.from_numpy(np.array(data, order="C")), chosen,
+                                   sum(part[2] for part in parts), parts[0][3])
 
         def norm(name: str) -> torch.Tensor:
-            tensor = tensors.get(name)
+            tensor = gguf.tensors.get(name)
             if tensor is None or tensor.type_name != "F32":
                 raise ValueError(f"{name}: not a float32 norm")
-            return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(-1))
+            return torch.from_numpy(np.array(gguf.tensor_data(name).view(np.float32).reshape(-1)))
 
         layers, norms = [], {"model.norm.weight": norm("output_norm.weight")}
         for i in range(config.num_hidden_layers):
             block = f"blk.{i}."
             layers.append(Q4Layer(
-                qkv=QuantizedWeight.concat(weight(block + "attn_q.weight", heads),
-                                           weight(block + "attn_k.weight", kv_heads), weight(block + "attn_v.weight")),
-                out=weight(block + "attn_output.weight"),
-                gate_up=QuantizedWeight.concat(weight(block + "ffn_gate.weight"), weight(block + "ffn_up.weight")),
-                down=weight(block + "ffn_down.weight")))
+                qkv=weight(blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
+                           blocks(block + "attn_v.weight")),
+                out=weight(blocks(block + "attn_output.weight")),
+                gate_up=weight(blocks(block + "ffn_gate.weight"), blocks(block + "ffn_up.weight")),
+                down=weight(blocks(block + "ffn_down.weight"))))
             norms[f"model.layers.{i}.input_layernorm.weight"] = norm(block + "attn_norm.weight")
             norms[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
-        head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        lm_head = weight(head_name, allowed=tuple(GGUF_FORMATS))
-        return cls(layers, lm_head, norms)
+        untied = "output.weight" in gguf.tensors
+        lm_head = weight(blocks("output.weight" if untied else "token_embd.weight"))
+        embedding = None
+        if untied:  # looked up, never multiplied: the file's own values, dequantized
+            embedding = torch.from_numpy(_dequantized_rows(gguf, "token_embd.weight"))
+        return cls(layers, lm_head, norms, embedding)
 
     @classmethod
-    def of_embedded_model(cls, config, cache_dir: str) -> "Q4Weights":
-        """The embedded default model's blocks, read through the copy kept in `cache_dir`."""
-        from ..model_store import find_gguf, gguf_tensors_copy
+    def of_embedded_model(cls, config, cache_dir: str = "") -> "Q4Weights":
+        """The embedded default model's blocks."""
+        from ..model_store import find_gguf
 
-        return cls.from_gguf(str(find_gguf()), config, gguf_tensors_copy(cache_dir))
+        return cls.from_gguf(str(find_gguf()), config)
 
     @torch.no_grad()
     def give_model_the_same_weights(self, model: nn.Module, projections: bool = True) -> None:
@@ -439,7 +446,8 @@ class Q4Weights:
             write(parameters[mlp + "up_proj.weight"], up)
             write(parameters[attention + "o_proj.weight"], layer.out.dequantized())
             write(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
-        write(model.get_input_embeddings().weight, self.lm_head.dequantized())
+        write(model.get_input_embeddings().weight,
+              self.embedding if self.embedding is not None else self.lm_head.dequantized())
         if projections and _has_own_lm_head(model):
             write(model.lm_head.weight, self.lm_head.dequantized())
         unwritten = [name for name, parameter in parameters.items()
@@ -516,7 +524,7 @@ class Q4Stack:
         if self.num_layers == 0 or self.num_heads % self.num_kv_heads or self.head_dim % 8 \
                 or self.num_heads // self.num_kv_heads > 8 or self.hidden % BLOCK or self.intermediate % BLOCK \
                 or any((getattr(layer, name).out_features, getattr(layer, name).in_features) != dims
-                       or getattr(layer, name).format != FORMAT_Q4_1
+                       or getattr(layer, name).format not in (FORMAT_Q4_1, FORMAT_Q8_0)
                        for layer in weights.layers for name, dims in expected.items()) \
                 or weights.lm_head.in_features != self.hidden:
             raise ValueError("the 4-bit decode step cannot run this model: shapes it does not take")
@@ -524,9 +532,8 @@ class Q4Stack:
         # the interleaved copies replace the plain blocks (which `weights` keeps only as long as the caller does)
         layers = [[kernels.interleaved(w) for w in (layer.qkv, layer.out, layer.gate_up, layer.down)]
                   for layer in weights.layers]
-        self.layer_format = layers[0][0].format
-        if any(w.format != self.layer_format for layer in layers for w in layer):
-            raise ValueError("the 4-bit decode step cannot run this model: layers of rows it does not regroup")
+        self.layer_formats = tuple(w.format for layer in layers for w in layer)  # 4 per layer (q4_kernels.c)
+        self.formats = (ctypes.c_int64 * len(self.layer_formats))(*self.layer_formats)
         lm_head = kernels.interleaved(weights.lm_head)
         self.lm_head_format = lm_head.format
         tensors = []
@@ -536,6 +543,14 @@ class Q4Stack:
         self._tensors = tensors
         self.pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
         self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
+
+
+def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    tensor = gguf.tensors[name]
+    values = quants.dequantize(gguf.tensor_data(name), GGMLQuantizationType[tensor.type_name])
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape[1], tensor.shape[0])
 
 
 def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: int) -> torch.Tensor:

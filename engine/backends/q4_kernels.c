@@ -2258,17 +2258,18 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
  * lists: a decode step (row r: the next token of slot r), a prompt chunk (every row in the prompt's one slot, at
  * consecutive positions) or chunks of several prompts (one slot each), computed alike, so a chunked prompt gives
  * what decoding it token by token gives, alone or beside others.
- * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format, the layers' format
- * (Q4_1, or Q4_1_X8; then the lm_head may be Q8_0_X8).
- * weights: 6 per layer (input norm f32, q/k/v Q4_1, output Q4_1, post-attention norm f32, gate/up Q4_1, down Q4_1),
- * then the final norm and the lm_head; eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
+ * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format.
+ * weights: 6 per layer (input norm f32, q/k/v, output, post-attention norm f32, gate/up, down), then the final norm
+ * and the lm_head; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
+ * regrouped by 8 rows: a GGUF's block types mix, engine/backends/block_repack.py); eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
  * s, that slot's cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]; keys in blocks, key_offset),
  * float32 with exact, float16 without. hidden: [rows,
  * hidden] float32, updated in place; row r writes and attends in slot slots[r], at position positions[r] (it sees
  * positions 0..positions[r]), rotated by cos, sin [rows, head_dim]; logits: [logit_count, vocabulary]; exact: as
  * for lockstep_q4_linear. Returns 0, -1 if scratch memory could not be had, -2 for an interleaved format where it
  * cannot run. Rows of one slot must be in order of position. */
-int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const float *eps,
+int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const int64_t *formats,
+                        const float *eps,
                         void *const *keys, void *const *values, const int64_t *capacities, float *hidden,
                         int64_t rows, const int64_t *slots, const int64_t *positions, const float *cos,
                         const float *sin, float scaling, float *logits, const int64_t *logit_rows,
@@ -2277,11 +2278,15 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                   slot_count = dims[5], vocabulary = dims[6];
     int64_t capacity = 0; /* the largest slot's: the scores' stride */
     for (int64_t s = 0; s < slot_count; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
-    const int lm_head_format = (int)dims[7], layer_format = (int)dims[8];
+    const int lm_head_format = (int)dims[7];
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim, kv_bytes = exact ? 4 : 2;
-    if (!x8_runs(layer_format, qkv_width) || !x8_runs(layer_format, width) ||
-        !x8_runs(layer_format, 2 * intermediate) || !x8_runs(lm_head_format, vocabulary))
-        return -2;
+    for (int64_t layer = 0; layer < layers; layer++) {
+        const int64_t *f = formats + 4 * layer;
+        if (!x8_runs((int)f[0], qkv_width) || !x8_runs((int)f[1], width) || !x8_runs((int)f[2], 2 * intermediate) ||
+            !x8_runs((int)f[3], width))
+            return -2;
+    }
+    if (!x8_runs(lm_head_format, vocabulary)) return -2;
     const int64_t attended_width = heads * head_dim;
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
     const int64_t widest = width > intermediate ? width : intermediate;
@@ -2304,8 +2309,9 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     int share_attention = shared && attended_positions * heads * head_dim >= SHARED_ATTENTION_MACS;
     for (int64_t layer = 0; layer < layers; layer++) {
         const void *const *w = weights + 6 * layer;
+        const int64_t *f = formats + 4 * layer; /* qkv, out, gate_up, down: each its own (a file's types mix) */
         rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
-        matmul(shared, normed, quantized, w[1], layer_format, qkv, rows, qkv_width, width, exact);
+        matmul(shared, normed, quantized, w[1], (int)f[0], qkv, rows, qkv_width, width, exact);
         for (int64_t r = 0; r < rows; r++) {
             float *token = qkv + r * qkv_width;
             rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
@@ -2329,12 +2335,12 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                                           &out_of_memory};
         run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
         if (atomic_load(&out_of_memory)) break;
-        matmul(shared, attended, quantized, w[2], layer_format, projected, rows, width, attended_width, exact);
+        matmul(shared, attended, quantized, w[2], (int)f[1], projected, rows, width, attended_width, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
-        matmul(shared, normed, quantized, w[4], layer_format, gate_up, rows, 2 * intermediate, width, exact);
+        matmul(shared, normed, quantized, w[4], (int)f[2], gate_up, rows, 2 * intermediate, width, exact);
         silu_mul(gate_up, activated, rows, intermediate);
-        matmul(shared, activated, quantized, w[5], layer_format, projected, rows, width, intermediate, exact);
+        matmul(shared, activated, quantized, w[5], (int)f[3], projected, rows, width, intermediate, exact);
         for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
     }
     if (atomic_load(&out_of_memory)) {
