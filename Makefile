@@ -22,14 +22,17 @@ test: setup model chromium nginx vllm
 
 # The decode-path tests once more as an AVX2-only CPU runs them (lockstep's capability mask, ATen's and oneDNN's own
 # caps): on a host with AVX-512 a green suite then also proves the path of the commonest laptops and servers. With
-# them the fast forward's tests: where bfloat16 is emulated its steps take longer, which the step targets see.
+# them the fast forward's tests: where bfloat16 is emulated its steps take longer, which the step targets see; and
+# a GGUF of every block type on the 4-bit kernels.
 # On a CPU without AVX-512 or AVX-VNNI (or not x86) the suite above ran that path already, so the leg says so and stops.
 AVX2_MASK := avx512f,avx512bw,avx512vl,avx512_bf16,avx512_vnni,avx_vnni,amx_bf16,amx_tile,amx_int8
 test-avx2-path: setup model
 	@if grep -qwE 'avx512f|avx_vnni' /proc/cpuinfo 2>/dev/null; then \
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/test_q4_kernels.py tests/test_batch_invariance.py \
-			tests/test_fast_forward.py -k "not bfloat16"; \
+			tests/test_fast_forward.py -k "not bfloat16" && \
+		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest -q tests/test_gguf_models.py -k "4_bit"; \
 	else echo "test-avx2-path: this CPU has no AVX-512 or AVX-VNNI, so the suite above already ran the AVX2 path"; fi
 
 # The 4-bit kernels' tests once more as an ARM64 Linux host runs them, on x86-64: built by Debian's aarch64 cross
@@ -123,7 +126,7 @@ $(LLAMA_SERVER): | $(STAMP)
 	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_DIR)
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
 		-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
-	cmake --build $(LLAMA_SRC)/build -j$$(nproc) -t llama-server llama-bench
+	cmake --build $(LLAMA_SRC)/build -j$$(nproc) -t llama-server llama-bench llama-quantize
 
 # The same tree built for an AVX2-only CPU (AVX2+FMA+F16C, no AVX-512): `bench compare --configs hf-avx2,
 # llama-server-avx2,...` compares the AVX2 code paths on a CPU with more (bench/peers.py, AVX2_ONLY_ENV).

@@ -3,7 +3,7 @@
     python -m bench compare [--configs hf,hf-exact,vllm,vllm-server,llama-server,llama-server-bf16]
         [--concurrency 1,8,16]
         [--output-len 128] [--lengths 64,256,1024] [--max-duration 60] [--deadline 120] [--out-dir .cache/bench]
-        [--probe/--no-probe] [--probe-streams 8] [--probe-count 15] [--docs docs/benchmarks.md]
+        [--probe/--no-probe] [--probe-streams 8] [--probe-count 15] [--docs docs/benchmarks.md] [--model FILE]
 
 Every configuration gets the same load (bench/serve.py): the built-in prompts, greedy, ignore_eos, closed-loop
 clients (at most N requests in flight, 2 requests per client), then, for the configurations marked so, one request
@@ -22,7 +22,11 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+
+from engine import EngineConfig
+from engine.model_store import prepared_model
 
 from . import probe, serve, serve_data
 from .compare_report import ConfigResult, Plan, Report, describe_machine
@@ -157,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
     parser.add_argument("--docs", default=None, help="Markdown file whose serving section is rewritten")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--model", default=None, help="a GGUF file: lockstep serves it (LOCKSTEP_MODEL), llama-server "
+                                                     "the same file; configurations on another file are skipped")
     parser.add_argument("--from-json", default=None, help="render the report of an earlier run's compare.json "
                                                          "(with --docs: rewrite the section) instead of running")
     args = parser.parse_args(argv)
@@ -194,11 +200,16 @@ def main(argv=None) -> None:
         return
     started = time.monotonic()
     out_dir = Path(args.out_dir)
-    model_dir = serve_data.default_model_dir()
+    configs = [CONFIGS[key] for key in args.configs.split(",")]
+    if args.model:
+        model_dir = str(prepared_model(args.model, EngineConfig().cache_dir))
+        configs = [on_file(config, args.model) for config in configs]
+    else:
+        model_dir = serve_data.default_model_dir()
     tokenizer = serve_data.load_tokenizer(model_dir)
-    machine = describe_machine(model_dir)
-    results = [run_config(CONFIGS[key], args.plan, tokenizer, model_dir, out_dir, not args.no_progress)
-               for key in args.configs.split(",")]
+    machine = describe_machine(model_dir, args.model)
+    results = [run_config(config, args.plan, tokenizer, model_dir, out_dir, not args.no_progress)
+               for config in configs]
     elapsed = time.monotonic() - started
     command = shlex.join(["python", "-m", "bench", "compare", *(sys.argv[1:] if argv is None else argv)])
     report = Report(args.plan, results, machine, elapsed, command)
@@ -206,6 +217,16 @@ def main(argv=None) -> None:
     (out_dir / "compare.json").write_text(json.dumps(report.as_dict(), indent=1))
     publish(report, args, out_dir)
     logger.info("compare: %d configurations in %.0f s (%s)", len(results), elapsed, out_dir / "compare.json")
+
+
+def on_file(config: ServerConfig, gguf: str) -> ServerConfig:
+    """`config` serving the GGUF file `gguf`: lockstep through LOCKSTEP_MODEL, llama-server on the file itself
+    (its bfloat16 configurations have no such file: they say so and are skipped)."""
+    if config.kind == "lockstep":
+        return replace(config, settings=(("LOCKSTEP_MODEL", str(Path(gguf).resolve())), *config.settings))
+    if config.kind == "llama-server":
+        return replace(config, gguf=str(Path(gguf).resolve()) if config.gguf == "q4_1" else config.gguf + " of it")
+    return config
 
 
 def publish(report: Report, args, out_dir: Path) -> None:

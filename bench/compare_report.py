@@ -79,8 +79,9 @@ def _metrics_from_dict(values: dict) -> RunMetrics:
 
 # -- the machine -------------------------------------------------------------------------------------------------
 
-def describe_machine(model_dir: str) -> dict:
-    """What bounds the numbers: cores, memory, its copy bandwidth, the bytes of weights read per decode step."""
+def describe_machine(model_dir: str, gguf: str | None = None) -> dict:
+    """What bounds the numbers: cores, memory, its copy bandwidth, the bytes of weights read per decode step (of
+    `gguf`, else the embedded model's file)."""
     from engine import EngineConfig
     from engine.hardware import ISA_FLAGS, detect_host
     from engine.model_store import find_gguf
@@ -96,8 +97,9 @@ def describe_machine(model_dir: str) -> dict:
             "packages": _package_versions(),
             "copy_bandwidth_gb_s": round(max(copy_bandwidth_gb_s(1), copy_bandwidth_gb_s()), 1),
             "lockstep_default_threads": EngineConfig().num_threads,
-            "bf16_weights_mb": round(_size_of(Path(model_dir), "*.safetensors") / 1e6),
-            "gguf_weights_mb": round(find_gguf().stat().st_size / 1e6),
+            "bf16_weights_mb": round(_bfloat16_bytes(Path(model_dir)) / 1e6),
+            "gguf_weights_mb": round(Path(gguf or find_gguf()).stat().st_size / 1e6),
+            "model_file": Path(gguf or find_gguf()).name,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -164,8 +166,17 @@ def _package_versions() -> dict[str, str]:
     return versions
 
 
-def _size_of(folder: Path, pattern: str) -> int:
-    return sum(path.stat().st_size for path in folder.glob(pattern))
+def _bfloat16_bytes(folder: Path) -> int:
+    """The folder's weights' bytes in bfloat16 (a prepared GGUF's folder keeps them in float32)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="numpy") as weights:
+            for name in weights.keys():
+                shape = weights.get_slice(name).get_shape()
+                total += 2 * int(np.prod(shape))
+    return total
 
 
 # -- tables --------------------------------------------------------------------------------------------------------
@@ -325,12 +336,18 @@ class Report:
         return cls(Plan.from_dict(report["plan"]), [ConfigResult.from_dict(entry) for entry in report["configs"]], report["machine"],
                    report["elapsed_s"], report["command"])
 
+    @property
+    def model_name(self) -> str:
+        """The file served (`bench compare --model`), or the embedded model (runs before the option: no name)."""
+        name = self.machine.get("model_file", "")
+        return "SmolLM2-135M-Instruct" if name in ("", "SmolLM2-135M-Instruct.Q4_1.gguf") else name
+
     def plot(self, path: Path) -> None:
         from .serve_plot import plot_sweeps
 
         sweeps = {r.config.name: sorted(r.sweep.items()) for r in self.results if r.sweep}
         if sweeps:
-            plot_sweeps(sweeps, str(path), f"SmolLM2-135M, {self.plan.output_len} output tokens per request, "
+            plot_sweeps(sweeps, str(path), f"{self.model_name}, {self.plan.output_len} output tokens per request, "
                                            f"{self.machine['cores']} cores ({self.machine['date']})")
 
     def terminal_text(self) -> str:
@@ -371,7 +388,7 @@ class Report:
             f"{m['copy_bandwidth_gb_s']} GB/s (read + write).",
             "",
             *self._busy_warning(),
-            f"Load, the same for every server: SmolLM2-135M-Instruct, the built-in prompts (13 to 20 tokens), "
+            f"Load, the same for every server: {self.model_name}, the built-in prompts (13 to 20 tokens), "
             f"{self.plan.output_len} output tokens per request with `ignore_eos`, greedy; {clients} closed-loop "
             f"clients ({self.plan.requests_per_client} requests each unless said below; one warm-up request "
             f"first; no new request after {self.plan.max_duration_s:g} s of a point, and the ones still running "
@@ -439,7 +456,7 @@ class Report:
         return [
             "What limits each number:",
             f"- Memory bandwidth, at one client: a decode step reads every weight once: {m['gguf_weights_mb']} MB of "
-            f"4-bit GGUF blocks (lockstep's defaults where the model ships them, llama-server on the Q4_1 GGUF), "
+            f"GGUF blocks (lockstep's defaults where the model ships them, llama-server on the Q4_1 GGUF), "
             f"{m['bf16_weights_mb']} MB in bfloat16 (vLLM, llama-server bf16) and twice that in float32 (lockstep's "
             f"exact weights where bfloat16 is emulated). At the copy rate above that is about "
             f"{m['gguf_weights_mb'] / copy_gb_s:.0f}, {m['bf16_weights_mb'] / copy_gb_s:.0f} and "

@@ -134,9 +134,12 @@ def vllm_environment(model_dir: str) -> dict[str, str]:
 
 
 def gguf_path(kind: str) -> Path:
-    """The embedded Q4_1 GGUF, or the bfloat16 one `make llama-server` converts from the prepared model."""
+    """The embedded Q4_1 GGUF, the bfloat16 one `make llama-server` converts from the prepared model, or a file
+    named by its path (`bench compare --model`)."""
     from engine.model_store import find_gguf
 
+    if kind not in ("q4_1", "bf16"):
+        return Path(kind)
     return find_gguf() if kind == "q4_1" else LLAMA_DIR / "SmolLM2-135M-Instruct-bf16.gguf"
 
 

@@ -209,10 +209,12 @@ def test_every_block_type_reaches_the_4_bit_kernels_with_its_values(family_files
         assert (error <= block_max / 127 * (0.5 + 127 * 2.0 ** -11) + 127 * 2.0 ** -25).all() and error.max() > 0
 
 
-def test_a_llama_file_of_every_type_runs_on_the_4_bit_kernels(family_files, make_engine, cache_dir):
-    """The file's blocks repacked (q/k rows permuted back, q/k/v of two formats fused as Q8_0, an untied token
-    embedding): with float32 activations, the kernels' greedy tokens are the float32 model's on the same weights."""
-    files = family_files["llama"]
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_file_of_every_type_runs_on_the_4_bit_kernels(family_files, family, make_engine, cache_dir):
+    """The file's blocks repacked (llama's q/k rows permuted back, q/k/v of two formats fused as Q8_0, llama's
+    untied token embedding, Qwen2's q/k/v biases, Qwen3's q/k norms): with float32 activations, the kernels' greedy
+    tokens are the float32 model's on the same weights."""
+    files = family_files[family]
     engine = make_engine(files["gguf"], cache_dir=cache_dir, dtype="auto", weights="exact")
     assert engine.info.weights == "q4_1+q8_0" and "4-bit kernels" in engine.info.compute
     served = [engine.submit(prompt_token_ids=list(prompt), sampling=SamplingParams(max_tokens=8, temperature=0,
@@ -225,11 +227,11 @@ def test_a_llama_file_of_every_type_runs_on_the_4_bit_kernels(family_files, make
 
 def test_a_served_file_chats_with_its_own_template_and_says_what_it_is(family_files, make_server_for, cache_dir):
     files = family_files["qwen2"]
-    server = make_server_for(files["gguf"], cache_dir=cache_dir)
+    server = make_server_for(files["gguf"], cache_dir=cache_dir, dtype="auto")  # the defaults: the 4-bit kernels
     status, _, models = http("GET", f"{server.url}/v1/models")
     card = models["data"][0]
     assert status == 200 and card["architecture"] == "qwen2" and card["weight_types"]["Q4_K"] == 2
-    assert card["compute_reason"].endswith("(the 4-bit kernels run llama files, this one is qwen2)")
+    assert "4-bit kernels, the GGUF's blocks as Q4_1 and Q8_0" in card["compute"]
     # The file says add_bos_token: a plain prompt starts with the BOS; the chat template is the file's (ChatML).
     status, _, tokens = http("POST", f"{server.url}/tokenize", {"prompt": "Hello"})
     assert status == 200 and tokens["tokens"][0] == 1

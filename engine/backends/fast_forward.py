@@ -41,6 +41,7 @@ from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
+Q4_MODEL_TYPES = SUPPORTED_MODEL_TYPES | {"qwen2", "qwen3"}  # q4_kernels.c adds q/k/v biases and q/k norms
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
 # Up to this many rows (a decode step's) a fused weight's matmul is used where it was probed to give its parts'
 # numbers; prompt chunks compute each part apart: on AMX, oneDNN blocks a 960-column bfloat16 matmul of ~200+
@@ -183,10 +184,12 @@ class FastDecoder:
         return self.q4 is None and self.stack is None
 
     @staticmethod
-    def supports(model: nn.Module, any_dtype: bool = False) -> bool:
+    def supports(model: nn.Module, any_dtype: bool = False, on_4_bit_kernels: bool = False) -> bool:
+        """Whether this forward computes `model` (on the 4-bit kernels: Qwen2's biases and Qwen3's q/k norms too)."""
         config = model.config
         decoder = getattr(model, "model", None)
-        return (config.model_type in SUPPORTED_MODEL_TYPES and getattr(config, "hidden_act", None) == "silu"
+        model_types = Q4_MODEL_TYPES if on_4_bit_kernels else SUPPORTED_MODEL_TYPES
+        return (config.model_type in model_types and getattr(config, "hidden_act", None) == "silu"
                 and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
                 and getattr(decoder, "rotary_emb", None) is not None and hasattr(model, "lm_head")
                 and model.lm_head.bias is None and (any_dtype or _can_pack(model.lm_head.weight)))

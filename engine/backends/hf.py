@@ -20,8 +20,8 @@ import logging
 import math
 import time
 from collections import deque
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -120,8 +120,8 @@ class HFBackend(Backend):
         self.batch_invariant = config.batch_invariant
         self.slot_attention = use_slot_attention(self.model)
         # A lean decode step over the slot cache (fast_forward.py); None: the model's forward decodes.
-        use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(self.model,
-                                                                                       any_dtype=q4 is not None)
+        use_fast = config.fast_decode and self.slot_attention and FastDecoder.supports(
+            self.model, any_dtype=q4 is not None, on_4_bit_kernels=q4 is not None)
         if q4 is not None:
             q4[1].give_model_the_same_weights(self.model, projections=not use_fast)
         kernels = self._bf16_kernels(config) if use_fast and q4 is None else None
@@ -269,8 +269,8 @@ class HFBackend(Backend):
             return "the model's forward"
         decoder = self.fast_decoder
         if decoder.q4 is not None:
-            return f"4-bit {self._kernel_formats().replace('_', '').upper()} weights on {decoder.q4.name}, " \
-                "a decode step in one call"
+            formats = " and ".join(name.upper() for name in self._kernel_formats().split("+"))
+            return f"4-bit kernels, the GGUF's blocks as {formats} on {decoder.q4.name}, a decode step in one call"
         if decoder.kernels is None:
             return "fast forward on oneDNN's matmuls"
         if decoder.stack is None:

@@ -40,6 +40,7 @@ FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: re
 BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34}
 INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
 PROBE_ROWS = 19
+KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what lockstep_q4_forward computes (norms, biases: Q4Layer)
 # Keys are kept in blocks of this many positions, positions in lanes (q4_kernels.c's KEY_BLOCK): a cache's capacity
 # is a multiple of it, and a copy of a cache's first positions copies whole blocks (key_positions reads them back).
 KEY_BLOCK = 16
@@ -334,6 +335,9 @@ class Q4Layer:
     out: QuantizedWeight
     gate_up: QuantizedWeight
     down: QuantizedWeight
+    qkv_bias: torch.Tensor | None = None  # Qwen2: float32 [q + k + v widths]
+    q_norm: torch.Tensor | None = None  # Qwen3: each query head's RMSNorm weight [head_dim], and each key head's
+    k_norm: torch.Tensor | None = None
 
 
 class Q4Weights:
@@ -350,8 +354,8 @@ class Q4Weights:
         """Why the kernels cannot compute `path`'s model ("" where they can): they run a Llama-shaped model whose
         projections and lm_head are of a type block_repack.py reads."""
         gguf = read_gguf(path)
-        if gguf.architecture != "llama":
-            return f"the 4-bit kernels run llama files, this one is {gguf.architecture}"
+        if gguf.architecture not in KERNEL_ARCHITECTURES:
+            return f"the 4-bit kernels run {', '.join(KERNEL_ARCHITECTURES)} files, this one is {gguf.architecture}"
         for tensor in gguf.tensors.values():
             if len(tensor.shape) == 2 and tensor.type_name not in REPACKED:
                 return f"the 4-bit kernels read {', '.join(REPACKED)}; {tensor.name} is {tensor.type_name}"
@@ -362,7 +366,11 @@ class Q4Weights:
         """Raises ValueError for a GGUF whose tensors are not a Llama layout these kernels read. The tensors are
         read from the file in place (memory-mapped) and repacked once, here."""
         gguf = read_gguf(path)
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if gguf.architecture not in KERNEL_ARCHITECTURES:
+            raise ValueError(f"the 4-bit kernels do not run {gguf.architecture} files")
+        # convert_hf_to_gguf permutes llama's q/k rows only
+        heads, kv_heads = (config.num_attention_heads, config.num_key_value_heads) if gguf.architecture == "llama" \
+            else (0, 0)
 
         def blocks(name: str, permute_heads: int = 0) -> tuple[int, np.ndarray, int, int]:
             tensor = gguf.tensors.get(name)
@@ -385,20 +393,29 @@ class Q4Weights:
                                    sum(part[2] for part in parts), parts[0][3])
 
         def norm(name: str) -> torch.Tensor:
-            tensor = gguf.tensors.get(name)
-            if tensor is None or tensor.type_name != "F32":
-                raise ValueError(f"{name}: not a float32 norm")
-            return torch.from_numpy(np.array(gguf.tensor_data(name).view(np.float32).reshape(-1)))
+            """A norm's weight or a bias, as stored (float32, or dequantized)."""
+            if name not in gguf.tensors or len(gguf.tensors[name].shape) != 1:
+                raise ValueError(f"{name}: missing or not a vector")
+            return torch.from_numpy(_dequantized_rows(gguf, name).reshape(-1))
 
         layers, norms = [], {"model.norm.weight": norm("output_norm.weight")}
         for i in range(config.num_hidden_layers):
-            block = f"blk.{i}."
+            block, attention = f"blk.{i}.", f"model.layers.{i}.self_attn."
+            extras = {}  # HF name -> values, for the model (give_model_the_same_weights) and the kernels alike
+            if gguf.architecture == "qwen2":
+                extras.update({f"{attention}{p}_proj.bias": norm(f"{block}attn_{p}.bias") for p in "qkv"})
+            if gguf.architecture == "qwen3":
+                extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") for p in "qk"})
             layers.append(Q4Layer(
                 qkv=weight(blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
                            blocks(block + "attn_v.weight")),
                 out=weight(blocks(block + "attn_output.weight")),
                 gate_up=weight(blocks(block + "ffn_gate.weight"), blocks(block + "ffn_up.weight")),
-                down=weight(blocks(block + "ffn_down.weight"))))
+                down=weight(blocks(block + "ffn_down.weight")),
+                qkv_bias=torch.cat([extras[f"{attention}{p}_proj.bias"] for p in "qkv"]) if extras and
+                gguf.architecture == "qwen2" else None,
+                q_norm=extras.get(f"{attention}q_norm.weight"), k_norm=extras.get(f"{attention}k_norm.weight")))
+            norms.update(extras)
             norms[f"model.layers.{i}.input_layernorm.weight"] = norm(block + "attn_norm.weight")
             norms[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
         untied = "output.weight" in gguf.tensors
@@ -536,12 +553,19 @@ class Q4Stack:
         self.formats = (ctypes.c_int64 * len(self.layer_formats))(*self.layer_formats)
         lm_head = kernels.interleaved(weights.lm_head)
         self.lm_head_format = lm_head.format
-        tensors = []
-        for i, (qkv, out, gate_up, down) in enumerate(layers):
-            tensors += [norms[i], qkv.blocks, out.blocks, norms[self.num_layers + i], gate_up.blocks, down.blocks]
+        tensors: list[torch.Tensor | None] = []  # q4_kernels.c's WEIGHTS_PER_LAYER a layer; None: NULL
+        for i, ((qkv, out, gate_up, down), layer) in enumerate(zip(layers, weights.layers)):
+            extras = [None if t is None else t.detach().float().contiguous()
+                      for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+            if (extras[1] is None) != (extras[2] is None) or any(
+                    t is not None and t.shape != (width,) for t, width in zip(
+                        extras, (expected["qkv"][0], self.head_dim, self.head_dim))):
+                raise ValueError("the 4-bit decode step cannot run this model: a bias or q/k norm of another shape")
+            tensors += [norms[i], qkv.blocks, out.blocks, norms[self.num_layers + i], gate_up.blocks, down.blocks,
+                        *extras]
         tensors += [norms[-1], lm_head.blocks]
         self._tensors = tensors
-        self.pointers = (ctypes.c_void_p * len(tensors))(*(tensor.data_ptr() for tensor in tensors))
+        self.pointers = (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
         self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
 
 
@@ -550,7 +574,7 @@ def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
 
     tensor = gguf.tensors[name]
     values = quants.dequantize(gguf.tensor_data(name), GGMLQuantizationType[tensor.type_name])
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape[1], tensor.shape[0])
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape[::-1])  # GGML's order: innermost first
 
 
 def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: int) -> torch.Tensor:

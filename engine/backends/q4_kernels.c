@@ -2254,13 +2254,16 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
     }
 }
 
-/* Rows through every layer of a Llama-shaped model, then the final norm and lm_head for the rows logit_rows
- * lists: a decode step (row r: the next token of slot r), a prompt chunk (every row in the prompt's one slot, at
+enum { WEIGHTS_PER_LAYER = 9 };
+
+/* Rows through every layer of a Llama-shaped model (Qwen2 and Qwen3 too), then the final norm and lm_head for the
+ * rows logit_rows lists: a decode step (row r: the next token of slot r), a prompt chunk (every row in the prompt's one slot, at
  * consecutive positions) or chunks of several prompts (one slot each), computed alike, so a chunked prompt gives
  * what decoding it token by token gives, alone or beside others.
  * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format.
- * weights: 6 per layer (input norm f32, q/k/v, output, post-attention norm f32, gate/up, down), then the final norm
- * and the lm_head; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
+ * weights: WEIGHTS_PER_LAYER per layer (input norm f32, q/k/v, output, post-attention norm f32, gate/up, down, then
+ * f32 or NULL: the q/k/v bias (Qwen2), the query and the key heads' norms (Qwen3), normed with the layer's first
+ * eps), then the final norm and the lm_head; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
  * regrouped by 8 rows: a GGUF's block types mix, engine/backends/block_repack.py); eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
  * s, that slot's cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]; keys in blocks, key_offset),
  * float32 with exact, float16 without. hidden: [rows,
@@ -2308,12 +2311,19 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     /* attention over few positions takes less time than handing it out (a wait for the helpers' last unit) */
     int share_attention = shared && attended_positions * heads * head_dim >= SHARED_ATTENTION_MACS;
     for (int64_t layer = 0; layer < layers; layer++) {
-        const void *const *w = weights + 6 * layer;
+        const void *const *w = weights + WEIGHTS_PER_LAYER * layer;
         const int64_t *f = formats + 4 * layer; /* qkv, out, gate_up, down: each its own (a file's types mix) */
+        const float *qkv_bias = w[6], *q_norm = w[7], *k_norm = w[8];
         rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
         matmul(shared, normed, quantized, w[1], (int)f[0], qkv, rows, qkv_width, width, exact);
         for (int64_t r = 0; r < rows; r++) {
             float *token = qkv + r * qkv_width;
+            if (qkv_bias)
+                for (int64_t i = 0; i < qkv_width; i++) token[i] += qkv_bias[i];
+            if (q_norm) /* Qwen3: each head's query and key normed before the rotation */
+                for (int64_t h = 0; h < heads + kv_heads; h++)
+                    rms_norm(token + h * head_dim, h < heads ? q_norm : k_norm, token + h * head_dim, 1, head_dim,
+                             eps[2 * layer]);
             rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
             const int64_t slot = layer * slot_count + slots[r];
             for (int64_t h = 0; h < kv_heads; h++) {
@@ -2349,9 +2359,10 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         return -1;
     }
     for (int64_t i = 0; i < logit_count; i++) /* each row normed alone, as rms_norm does row by row */
-        rms_norm(hidden + logit_rows[i] * width, weights[6 * layers], normed + i * width, 1, width, eps[2 * layers]);
-    matmul(shared, normed, quantized, weights[6 * layers + 1], lm_head_format, logits, logit_count, vocabulary, width,
-           exact);
+        rms_norm(hidden + logit_rows[i] * width, weights[WEIGHTS_PER_LAYER * layers], normed + i * width, 1, width,
+                 eps[2 * layers]);
+    matmul(shared, normed, quantized, weights[WEIGHTS_PER_LAYER * layers + 1], lm_head_format, logits, logit_count,
+           vocabulary, width, exact);
     if (shared) end_shared();
     free(normed), free(lengths), free(quantized);
     return 0;
