@@ -19,6 +19,7 @@ CLOSE_WAIT_S = 2.0  # how long a closing socket waits for the client's close rep
 # (and a drain past gunicorn's graceful timeout), and what the engine sends it would pile up in memory.
 SEND_TIMEOUT_S = 8.0
 MAX_DRAIN_BYTES = 4 << 20
+RECEIVE_CHECK_S = 1.0  # how often a waiting receive looks whether the connection has gone
 SEND_ERRORS = (ConnectionClosed, OSError, LocalProtocolError)  # the client is gone, or the socket is closing
 
 
@@ -41,8 +42,14 @@ class SocketTransport:
             self.is_open = False  # code was sent): end the session
 
     def receive(self) -> str | bytes | None:
-        """The client's next frame; None once the socket has closed (ConnectionClosed may be raised instead)."""
-        return self.ws.receive()
+        """The client's next frame; None once the socket has closed (ConnectionClosed may be raised instead).
+
+        Waits in slices: upstream wakes a waiting receive for a too-big message (1009) before it marks itself
+        disconnected, so a receive without a timeout could miss the close and hold the session for good."""
+        while True:
+            data = self.ws.receive(timeout=RECEIVE_CHECK_S)
+            if data is not None or not self.ws.connected:
+                return data
 
     def mark_closed(self) -> None:
         self.is_open = False

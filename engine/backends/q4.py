@@ -574,7 +574,8 @@ def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
 
     tensor = gguf.tensors[name]
     values = quants.dequantize(gguf.tensor_data(name), GGMLQuantizationType[tensor.type_name])
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape[::-1])  # GGML's order: innermost first
+    # A copy even of F32 values, which come as a read-only view of the mapped file; GGML's order: innermost first.
+    return np.array(values, dtype=np.float32, order="C").reshape(tensor.shape[::-1])
 
 
 def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: int) -> torch.Tensor:
