@@ -13,13 +13,27 @@ from collections.abc import Iterable
 
 from engine import RequestOutput, SamplingParams
 from engine import TokenLogprob, TokenTexts
+from engine.tool_calls import ToolFormat, ToolRequest
 
 
-def chat_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> list[dict]:
-    return [{"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-             "logprobs": chat_logprobs(choice.logprobs, texts) if sampling.logprobs is not None else None,
-             "finish_reason": choice.finish_reason.value}
+def chat_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts,
+                 tools: ToolRequest | None = None, tool_format: ToolFormat | None = None) -> list[dict]:
+    return [{"index": choice.index, **_chat_answer(choice.text, choice.finish_reason.value, tools, tool_format),
+             "logprobs": chat_logprobs(choice.logprobs, texts) if sampling.logprobs is not None else None}
             for choice in output.choices]
+
+
+def _chat_answer(text: str, finish_reason: str, tools: ToolRequest | None, tool_format: ToolFormat | None) -> dict:
+    """The message and finish reason: the calls taken out of the text when tools were offered."""
+    if tools is None or tool_format is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    content, calls = tool_format.parse(text, tools)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"message": message, "finish_reason": finish_reason}
 
 
 def completion_choices(outputs: list[RequestOutput], prompts: list, sampling: SamplingParams,

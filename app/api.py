@@ -12,6 +12,7 @@ import uuid
 from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage, WorkerFailed
+from engine.tool_calls import constrained_sampling, parse_tool_request
 
 from .answer_shaping import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
@@ -68,12 +69,19 @@ def completions():
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
-    body = read_json_body(CHAT, lockstep().engine.max_model_len)
-    messages = messages_field(body)
-    sampling = sampling_fields(body, lockstep().engine)
-    output = run_one(messages=messages, body=body, sampling=sampling)
-    choices = chat_choices(output, sampling, lockstep().engine.token_texts)
+    engine = lockstep().engine
+    body = read_json_body(CHAT, engine.max_model_len)
+    tools = parse_tool_request(body, _max_output_chars(engine))
+    tool_format = engine.tool_format
+    messages, template_tools = tool_format.prompt(messages_field(body, with_tools=True), tools)
+    sampling = constrained_sampling(sampling_fields(body, engine), tools, tool_format, _max_output_chars(engine))
+    output = run_one(messages=messages, body=body, sampling=sampling, tools=template_tools)
+    choices = chat_choices(output, sampling, engine.token_texts, tools, tool_format)
     return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
+
+
+def _max_output_chars(engine) -> int | None:
+    return engine.inputs.max_prompt_chars if engine.inputs else None
 
 
 @bp.get("/v1/models")
@@ -103,10 +111,10 @@ def tokenize():
 
 
 def run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
-             messages: list | None = None) -> RequestOutput:
+            messages: list | None = None, tools: list[dict] | None = None) -> RequestOutput:
     engine = lockstep().engine
     handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(),
-                           timeout_s=body.get("timeout"), cache_salt=body.get("cache_salt"))
+                           timeout_s=body.get("timeout"), cache_salt=body.get("cache_salt"), tools=tools)
     return _checked(_wait_while_connected([handle]))[0]
 
 

@@ -10,6 +10,8 @@ from flask import Blueprint, jsonify
 from engine import (MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_PENALTY,
                     MAX_SCHEMA_NAME_LENGTH, MAX_SEED, MAX_STOP_LENGTH, MIN_SEED, REPETITION_PENALTY_RANGE)
 
+from engine import tool_calls
+
 from . import request_parsing as shapes
 from . import responses
 from .state import AppState, lockstep
@@ -224,8 +226,11 @@ def _schemas(state: AppState) -> dict:
         "CompletionRequest": _request({"prompt": _completion_prompt(state.settings.max_prompts),
                                        "max_tokens": _nullable(_max_tokens(echo=True))},
                                       sampling | _openai_common(), required=["prompt"]),
-        "ChatRequest": _request({"messages": _ref("Messages"), "max_completion_tokens": _nullable(_max_tokens())},
+        "ChatRequest": _request({"messages": _ref("ChatMessages"), "max_completion_tokens": _nullable(_max_tokens()),
+                                 **_tool_fields()},
                                 no_echo | _openai_common(), required=["messages"]),
+        "ChatMessages": {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES,
+                         "items": {"anyOf": [_message(), *_tool_messages()]}},
         "TokenizeRequest": {"type": "object", "additionalProperties": False,
                             "properties": {"prompt": _TEXT, "messages": _ref("Messages"), "model": _nullable(_STRING)},
                             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
@@ -247,8 +252,9 @@ def _schemas(state: AppState) -> dict:
             "index": _COUNT, "text": _STRING, "finish_reason": _FINISH,
             "logprobs": _nullable(_ref("CompletionLogprobs"))})),
         "ChatCompletion": _openai_envelope("chat.completion", _object({
-            "index": _COUNT, "finish_reason": _FINISH, "logprobs": _nullable(_ref("ChatLogprobs")),
-            "message": _object({"role": {"const": "assistant"}, "content": _STRING})})),
+            "index": _COUNT, "finish_reason": {"type": "string", "enum": [*FINISH_REASONS, "tool_calls"]}, "logprobs": _nullable(_ref("ChatLogprobs")),
+            "message": _with_optional(_object({"role": {"const": "assistant"}, "content": _nullable(_STRING)}),
+                                      tool_calls=_array(_tool_call()))})),
         "ChatLogprobs": _object({"content": _array(_object({
             **_token_logprob()["properties"], "top_logprobs": _array(_token_logprob())}))}),
         "CompletionLogprobs": _object({
@@ -388,6 +394,46 @@ def _message() -> dict:
     return {"type": "object", "additionalProperties": False, "required": ["role", "content"],
             "properties": {"role": {"enum": ROLES}, "content": content, "name": _STRING, **tool_fields},
             "description": "developer is read as system; text parts are joined by newlines; name is not used"}
+
+
+def _tool_fields() -> dict:
+    """Chat completions' tools (engine/tool_calls.py): function tools, the choice, parallel calls."""
+    function = {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": _nullable({"type": "string", "maxLength": tool_calls.MAX_DESCRIPTION_CHARS}),
+        "parameters": _nullable({"type": "object", "description": "a JSON Schema (response_format's bounds)"}),
+        "strict": _nullable({"type": "boolean"})}}
+    tool = {"type": "object", "additionalProperties": False, "required": ["type", "function"],
+            "properties": {"type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": _STRING}}}}
+    return {"tools": _nullable({"type": "array", "maxItems": tool_calls.MAX_TOOLS, "items": tool,
+                                "description": "function names unique"}),
+            "tool_choice": _nullable({"anyOf": [{"enum": list(tool_calls.CHOICES)}, named],
+                                      "description": "a named function must be in tools"}),
+            "parallel_tool_calls": _nullable({"type": "boolean"})}
+
+
+def _tool_call() -> dict:
+    return _object({"id": _STRING, "type": {"const": "function"},
+                    "function": _object({"name": _STRING, "arguments": {"type": "string",
+                                                                        "description": "a JSON object as text"}})})
+
+
+def _tool_messages() -> list[dict]:
+    """An assistant's calls (content null or text) and a tool's result, answering a call by its id."""
+    content = _message()["properties"]["content"]
+    call_id = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
+    calls = {"type": "object", "additionalProperties": False, "required": ["role", "tool_calls"], "properties": {
+        "role": {"const": "assistant"}, "content": _nullable(content), "name": _STRING,
+        "tool_calls": {"type": "array", "minItems": 1, "items": {**_tool_call(), "properties": {
+            **_tool_call()["properties"], "id": call_id}}},
+        **{name: {"type": "null"} for name in ("refusal", "audio", "function_call", "annotations")}}}
+    result = {"type": "object", "additionalProperties": False, "required": ["role", "content", "tool_call_id"],
+              "properties": {"role": {"const": "tool"}, "content": content, "tool_call_id": call_id,
+                             "name": _STRING}, "description": "tool_call_id names an earlier call"}
+    return [calls, result]
 
 
 def _metadata() -> dict:

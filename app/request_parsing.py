@@ -60,6 +60,8 @@ NOT_USED = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (Fa
 SERVED_ELSEWHERE = {"echo": "echo (the prompt, with its logprobs, before the answer) is served by /v1/completions only"}
 # Message fields that only carry tool calls or outputs: accepted when null or empty, like the SDK sends them.
 MESSAGE_TOOL_FIELDS = ("tool_calls", "function_call", "audio", "refusal", "annotations", "tool_call_id")
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})  # chat completions reads them
+MAX_CALL_ID = 64
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,10 @@ class RequestShape:
 BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING - {"echo"} | CACHE_SALT | {"prompt"})
 GENERATE = RequestShape("/generate", SAMPLING - {"echo"} | CACHE_SALT | {"prompts"})
 COMPLETIONS = RequestShape("/v1/completions", SAMPLING | CACHE_SALT | OPENAI_COMMON | {"prompt"}, is_openai=True)
-CHAT = RequestShape("/v1/chat/completions", SAMPLING - {"echo"} | CACHE_SALT | OPENAI_COMMON | {"messages"},
-                    aliases={"max_completion_tokens": "max_tokens"}, is_openai=True)
+CHAT = RequestShape("/v1/chat/completions",
+                    SAMPLING - {"echo"} | CACHE_SALT | OPENAI_COMMON | TOOL_FIELDS | {"messages"},
+                    aliases={"max_completion_tokens": "max_tokens"}, is_openai=True,
+                    not_implemented={k: v for k, v in NOT_IMPLEMENTED.items() if k not in TOOL_FIELDS})
 TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}), one_of=("prompt", "messages"))
 WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | CACHE_SALT | {"type", "id", "prompt", "messages"},
                            one_of=("prompt", "messages"))
@@ -298,9 +302,11 @@ def _is_int(value) -> bool:
 
 # -- chat messages --------------------------------------------------------------------------------------------
 
-def messages_field(body: dict) -> list[dict]:
+def messages_field(body: dict, with_tools: bool = False) -> list[dict]:
     """The messages as {role, content} with plain-text content: `developer` becomes `system`, text parts are
-    joined, a message's `name` is accepted and not used (the chat template has no place for it)."""
+    joined, a message's `name` is accepted and not used (the chat template has no place for it). `with_tools`
+    (chat completions): assistant messages may carry `tool_calls` (content null), and `tool` messages answer
+    them by `tool_call_id`."""
     messages = body.get("messages")
     if messages is None:
         raise missing_field("messages")
@@ -308,8 +314,11 @@ def messages_field(body: dict) -> list[dict]:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages", "messages")
-    plain = [_plain_message(message, index) for index, message in enumerate(messages)]
+    plain = [_tool_message(message, index) if with_tools and _is_tool_message(message)
+             else _plain_message(message, index) for index, message in enumerate(messages)]
     check_conversation(plain, "messages")
+    if with_tools:
+        _check_call_ids(plain)
     return plain
 
 
@@ -317,8 +326,8 @@ def check_conversation(plain: list[dict], name: str) -> None:
     """Plain {role, content} messages a chat template can take: Unicode text, and some text in one of them (any
     role: a system message alone is a prompt, as OpenAI's and vLLM's servers take it)."""
     for index, message in enumerate(plain):
-        check_encodable(message["content"], name, f"{name}[{index}].content")
-    if not any(m["content"].strip() for m in plain):
+        check_encodable(message["content"] or "", name, f"{name}[{index}].content")
+    if not any((m["content"] or "").strip() or m.get("tool_calls") for m in plain):
         raise InvalidRequest(f"{name} need at least one message with text (not only whitespace)", name)
 
 
@@ -327,7 +336,7 @@ def _plain_message(message, index: int) -> dict:
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         role = message.get("role") if isinstance(message, dict) else None
         if role == "tool":
-            raise unsupported_field("messages", f"{where}: tool messages are not supported (no tool calls here)")
+            raise unsupported_field("messages", f"{where}: tool messages are read by /v1/chat/completions only")
         if isinstance(role, str):
             raise InvalidRequest(f"{where}.role {shown_name(role)!r} is not one of {', '.join(ROLES)}", "messages")
         raise InvalidRequest(f"each message needs a role ({', '.join(ROLES)}) and a content; {where} has none",
@@ -335,6 +344,68 @@ def _plain_message(message, index: int) -> dict:
     for name, value in message.items():
         _check_message_field(name, value, where)
     return {"role": ROLE_AS.get(message["role"], message["role"]), "content": _content_text(message, where)}
+
+
+def _is_tool_message(message) -> bool:
+    return isinstance(message, dict) and (message.get("role") == "tool" or (
+        message.get("role") == "assistant" and message.get("tool_calls") not in (None, [])))
+
+
+def _tool_message(message: dict, index: int) -> dict:
+    """A tool's result, or an assistant's calls, in the shape engine/tool_calls.py renders."""
+    where = f"messages[{index}]"
+    known = {"role", "content", "name"} | ({"tool_call_id"} if message["role"] == "tool" else
+                                           {"tool_calls", "refusal", "audio", "function_call", "annotations"})
+    unknown = sorted(set(message) - known)
+    if unknown:
+        raise unsupported_field("messages", f"{where}: unknown message field {shown_name(unknown[0])!r}")
+    if not isinstance(message.get("name", ""), str):
+        raise invalid_value("messages", f"{where}.name must be a string")
+    unread = next((name for name in ("refusal", "audio", "function_call", "annotations")
+                   if message.get(name) is not None), None)
+    if unread is not None:
+        raise unsupported_field("messages", f"{where}.{unread} is not read; send it null")
+    if message["role"] == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
+            raise invalid_value("messages", f"{where}.tool_call_id must be the id of the call it answers (a "
+                                            f"string of 1 to {MAX_CALL_ID} characters)")
+        return {"role": "tool", "content": _content_text(message, where), "tool_call_id": call_id}
+    content = message.get("content")
+    return {"role": "assistant", "content": None if content is None else _content_text(message, where),
+            "tool_calls": [_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(message["tool_calls"])]}
+
+
+def _call(call, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type") != "function":
+        raise invalid_value("messages", f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
+                                        "{\"name\", \"arguments\"}}")
+    call_id, name, arguments = call.get("id"), function.get("name"), function.get("arguments")
+    if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
+        raise invalid_value("messages", f"{where}.id must be a string of 1 to {MAX_CALL_ID} characters")
+    if not isinstance(name, str) or not 0 < len(name) <= 64:
+        raise invalid_value("messages", f"{where}.function.name must be a string of 1 to 64 characters")
+    if not isinstance(arguments, str) or not isinstance(_json_or_none(arguments), dict):
+        raise invalid_value("messages", f"{where}.function.arguments must be a JSON object as text")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _check_call_ids(messages: list[dict]) -> None:
+    """Each tool message answers a call made earlier in the conversation (OpenAI refuses one that does not)."""
+    made = set()
+    for index, message in enumerate(messages):
+        made.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in made:
+            raise invalid_value("messages", f"messages[{index}].tool_call_id "
+                                            f"{shown_name(message['tool_call_id'])!r} answers no earlier tool call")
 
 
 def _check_message_field(name: str, value, where: str) -> None:
@@ -346,8 +417,8 @@ def _check_message_field(name: str, value, where: str) -> None:
         return
     if name in MESSAGE_TOOL_FIELDS:
         if value is not None and value != []:
-            raise unsupported_field("messages", f"{where}.{name} is not supported: this server does not call tools "
-                                                "nor produce audio")
+            raise unsupported_field("messages", f"{where}.{name} is not read here (tool calls: /v1/chat/completions; "
+                                                "no audio)")
         return
     raise unsupported_field("messages", f"{where}: unknown message field {shown_name(name)!r}")
 

@@ -16,6 +16,7 @@ from .errors import EngineError, NotReady, ShuttingDown, WorkerFailed
 from .executor import ModelExecutor
 from .inputs import InputProcessor
 from .messages import ModelInfo
+from .tool_calls import ToolFormat, tool_format_for
 from .model_store import resolve_model
 from .output_processor import RequestObserver
 from .outputs import DeltaEvent, RequestOutput
@@ -181,12 +182,14 @@ class LLMEngine:
     def submit(self, prompt: str | None = None, sampling: SamplingParams | None = None, *,
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None, client_id: str = "",
-               timeout_s: float | None = None, num_prompts: int = 1, cache_salt: str | None = None) -> RequestHandle:
+               timeout_s: float | None = None, num_prompts: int = 1, cache_salt: str | None = None,
+               tools: list[dict] | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks.
 
         `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline;
         `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget);
-        `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes."""
+        `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes; `tools`
+        (OpenAI's shape) go to a chat template that renders them (engine/tool_calls.py)."""
         if not self._accepting:
             raise ShuttingDown()
         if not self.is_scheduling:
@@ -194,7 +197,7 @@ class LLMEngine:
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         prepared = self.preprocessor.prepare(prompt, sampling or SamplingParams(), messages, prompt_token_ids,
-                                             request_id, client_id, timeout_s, num_prompts, cache_salt)
+                                             request_id, client_id, timeout_s, num_prompts, cache_salt, tools)
         sink = sink if sink is not None else queue.Queue()
         self.core.add(prepared, sink)
         return RequestHandle(self, prepared.request_id, sink)
@@ -239,6 +242,11 @@ class LLMEngine:
                prompt_token_ids: list[int] | None = None) -> list[int]:
         """Validated prompt token ids (InvalidRequest, PromptTooLong or Overloaded otherwise)."""
         return self.inputs.process(prompt, messages, prompt_token_ids)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How the model's chat template writes tool calls (engine/tool_calls.py)."""
+        return tool_format_for(self.inputs.chat_template if self.inputs else None)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The chat template's markers as special tokens, each message's content as plain text."""

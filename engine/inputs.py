@@ -83,14 +83,14 @@ class InputProcessor:
     # -- the three kinds of input -----------------------------------------------------------------------
 
     def process(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                prompt_token_ids: list[int] | None = None) -> list[int]:
+                prompt_token_ids: list[int] | None = None, tools: list[dict] | None = None) -> list[int]:
         """`prompt` is text, or token ids as OpenAI's completions take them (checked like `prompt_token_ids`)."""
         if prompt_token_ids is not None:
             return self.check_token_ids(prompt_token_ids)
         if isinstance(prompt, list):
             return self.check_token_ids(prompt, "prompt")
         if messages is not None:
-            return self.encode_chat(messages)
+            return self.encode_chat(messages, tools)
         return self.encode_prompt(prompt)
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -101,19 +101,28 @@ class InputProcessor:
         with self._tokenizing(len(prompt)):
             return self._encode(self._markup, prompt, "prompt", add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """`tools` (OpenAI's shape) and the messages' `tool_calls` go to a template that renders them: they are
+        markup there, so special-token text in them is refused rather than encoded as a special token."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead", "messages")
         contents = _contents(messages)
-        num_chars = sum(map(len, contents))
+        markup = _tool_markup(messages, tools)
+        num_chars = sum(map(len, contents)) + len(markup)
         self._check_length(num_chars, "messages")
         for index, content in enumerate(contents):
             check_encodable(content, "messages", f"messages[{index}].content")
+        self._refuse_special_texts(markup, "the tools and tool calls")
         with self._tokenizing(num_chars):
-            pieces = self._render_pieces(messages)
+            pieces = self._render_pieces(messages, tools)
             if pieces is None:
-                return self._encode_unsplit(messages, contents)
+                return self._encode_unsplit(messages, contents, tools)
             return self._encode_pieces(pieces)
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) else None
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt_token_ids") -> list[int]:
         if not isinstance(token_ids, list) or not token_ids:
@@ -150,22 +159,24 @@ class InputProcessor:
 
     # -- chat: template markup stays special, content is plain text ---------------------------------------------
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         except TemplateError as exc:  # the template's own raise_exception (roles must alternate, ...)
             raise InvalidRequest(f"the chat template refused these messages: {exc}", "messages") from None
 
-    def _render_pieces(self, messages: list[dict]) -> list[ChatPiece] | None:
+    def _render_pieces(self, messages: list[dict], tools: list[dict] | None = None) -> list[ChatPiece] | None:
         """The rendered chat cut into markup and content, or None if the template changes the contents
         (trims, cuts, escapes them), so that where each content lies is not known exactly."""
         nonce = secrets.token_hex(8)
-        marked = [{**m, "content": f"[lockstep-content:{nonce}:{i}]"} for i, m in enumerate(messages)]
-        parts = re.split(rf"\[lockstep-content:{nonce}:(\d+)\]", self._render(marked))
+        marked = [{**m, "content": f"[lockstep-content:{nonce}:{i}]"} if isinstance(m["content"], str) else m
+                  for i, m in enumerate(messages)]
+        parts = re.split(rf"\[lockstep-content:{nonce}:(\d+)\]", self._render(marked, tools))
         # re.split with a group alternates: markup, content index, markup, ..., markup
         pieces = [ChatPiece(messages[int(part)]["content"], True) if i % 2 else ChatPiece(part, False)
                   for i, part in enumerate(parts)]
-        if "".join(p.text for p in pieces) != self._render(messages):
+        if "".join(p.text for p in pieces) != self._render(messages, tools):
             return None
         return [p for p in pieces if p.text]
 
@@ -180,14 +191,17 @@ class InputProcessor:
             token_ids += self._encode(encoder, piece.text, "messages", add_special_tokens=False).ids
         return token_ids
 
-    def _encode_unsplit(self, messages: list[dict], contents: list[str]) -> list[int]:
+    def _encode_unsplit(self, messages: list[dict], contents: list[str], tools: list[dict] | None) -> list[int]:
         """A template that rewrites contents: safe as one string only if no content holds special-token text."""
         for content in contents:
-            forged = next((s for s in self._special_texts if s in content), None)
-            if forged is not None:
-                raise InvalidRequest(f"message content may not contain the special token {forged!r} with this "
-                                     "model's chat template", "messages")
-        return self._encode(self._markup, self._render(messages), "messages", add_special_tokens=False).ids
+            self._refuse_special_texts(content, "message content")
+        return self._encode(self._markup, self._render(messages, tools), "messages", add_special_tokens=False).ids
+
+    def _refuse_special_texts(self, text: str, what: str) -> None:
+        forged = next((s for s in self._special_texts if s in text), None)
+        if forged is not None:
+            raise InvalidRequest(f"{what} may not contain the special token {forged!r} with this model's chat "
+                                 "template", "messages")
 
     def _special_token_in_content(self, encoding, content_spans: list[tuple[int, int]]) -> bool:
         for index, token_id in enumerate(encoding.ids):
@@ -208,11 +222,19 @@ class InputProcessor:
 
 
 def _contents(messages: list[dict]) -> list[str]:
+    """Each message's text; an assistant message that only calls tools has none ("")."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-        raise InvalidRequest("each message needs a string content", "messages")
-    return [m["content"] for m in messages]
+    if not all(isinstance(m, dict) and (isinstance(m.get("content"), str)
+                                        or (m.get("content") is None and m.get("tool_calls"))) for m in messages):
+        raise InvalidRequest("each message needs a string content (or tool calls)", "messages")
+    return [m["content"] or "" for m in messages]
+
+
+def _tool_markup(messages: list[dict], tools: list[dict] | None) -> str:
+    """What of the tools and the calls a template writes as its own text (JSON: the characters it may hold)."""
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    return json.dumps([tools or [], calls], ensure_ascii=False) if tools or calls else ""
 
 
 def _content_spans(pieces: list[ChatPiece]) -> list[tuple[int, int]]:

@@ -38,6 +38,7 @@ class WorkerSampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # echo: each prompt token's logprob (the first has none) and the top k
     json_schema: str | None = None  # JSON mode: the schema (JSON text) the output must match (backends/constrained.py)
+    lark_grammar: str | None = None  # tool calls: the grammar (llguidance's Lark) of the calls (engine/tool_calls.py)
 
     @property
     def has_processors(self) -> bool:

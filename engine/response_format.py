@@ -14,6 +14,7 @@ import copy
 import functools
 import json
 import re
+from dataclasses import dataclass
 
 from .errors import InvalidRequest
 
@@ -50,6 +51,17 @@ SPELLED_OUT_KEYWORDS = {"minItems", "maxItems", "minProperties", "maxProperties"
 LITERAL_KEYWORDS = {"const", "enum", "default", "examples"}  # JSON values, not schemas: never walked
 REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 MAX_REPEAT_DIGITS = 9  # a longer count is over every bound (and int() refuses past 4,300 digits)
+
+
+@dataclass(frozen=True)
+class SchemaSite:
+    """Where a schema came from, as its errors name it: the words for it and the request field."""
+
+    what: str
+    param: str
+
+
+RESPONSE_FORMAT = SchemaSite("the response_format schema", PARAM)
 
 
 def parse_response_format(value, max_output_chars: int | None = None) -> str | None:
@@ -108,7 +120,7 @@ def _schema_of(spec) -> dict:
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object", PARAM)
-    _check_size(schema)
+    _check_size(schema, RESPONSE_FORMAT)
     return {key: value for key, value in schema.items() if key != "x-guidance"}  # the options are ours
 
 
@@ -119,14 +131,14 @@ def _refuse_unknown_keys(value: dict, known: set[str], where: str) -> None:
                              f"(it takes {', '.join(sorted(known))})", PARAM)
 
 
-def _check_size(schema: dict) -> None:
+def _check_size(schema: dict, site: SchemaSite) -> None:
     """Refuse a schema nested too deep or too large, walking it without recursion and stopping as soon as
     it is over either bound (a 10 MB schema costs no more than a 64 kB one)."""
     size, pending = 0, [(schema, 1)]
     while pending:
         value, depth = pending.pop()
         if depth > MAX_SCHEMA_DEPTH and isinstance(value, (dict, list)):
-            raise InvalidRequest(f"the response_format schema nests deeper than {MAX_SCHEMA_DEPTH} levels", PARAM)
+            raise InvalidRequest(f"{site.what} nests deeper than {MAX_SCHEMA_DEPTH} levels", site.param)
         size += 1
         if isinstance(value, dict):
             size += sum(len(key) for key in value)
@@ -136,23 +148,28 @@ def _check_size(schema: dict) -> None:
         elif isinstance(value, str):
             size += len(value)
         if size > MAX_SCHEMA_SIZE:
-            raise InvalidRequest(f"the response_format schema is too large (at most about {MAX_SCHEMA_SIZE} "
-                                 "characters)", PARAM)
+            raise InvalidRequest(f"{site.what} is too large (at most about {MAX_SCHEMA_SIZE} characters)",
+                                 site.param)
 
 
-def bound_counts(schema: dict, max_output_chars: int) -> dict:
+def checked_schema(schema: dict, max_output_chars: int, site: SchemaSite) -> dict:
+    """A client's schema (a tool's parameters) bounded as response_format's is: size, depth and counts."""
+    _check_size(schema, site)
+    return bound_counts(schema, max_output_chars, site)
+
+
+def bound_counts(schema: dict, max_output_chars: int, site: SchemaSite = RESPONSE_FORMAT) -> dict:
     """A copy of the schema with every count checked before llguidance sees it: a min* no answer can reach is
     refused; a max* above what any answer can hold is dropped (it constrains nothing reachable, and llguidance
     would spell out every item up to it); what remains must spell out at most MAX_EXPANSION items and repeats."""
     schema = copy.deepcopy(schema)  # small: _check_size bounded it
     expansion = 0
     for node in _subschemas(schema):
-        _bound_node_counts(node, max_output_chars)
+        _bound_node_counts(node, max_output_chars, site)
         expansion += _node_expansion(node)
         if expansion > MAX_EXPANSION:
-            raise InvalidRequest(f"the response_format schema is too costly: its counts (minItems, maxItems, "
-                                 f"min/maxProperties, pattern repeats {{n,m}}) add up to more than {MAX_EXPANSION}",
-                                 PARAM)
+            raise InvalidRequest(f"{site.what} is too costly: its counts (minItems, maxItems, min/maxProperties, "
+                                 f"pattern repeats {{n,m}}) add up to more than {MAX_EXPANSION}", site.param)
     return schema
 
 
@@ -173,11 +190,11 @@ def _subschemas(schema: dict):
             pending.extend(value for key, value in node.items() if key not in LITERAL_KEYWORDS)
 
 
-def _bound_node_counts(node: dict, max_output_chars: int) -> None:
+def _bound_node_counts(node: dict, max_output_chars: int, site: SchemaSite) -> None:
     for key in MIN_COUNT_KEYWORDS:
         if _is_count(node.get(key)) and node[key] > max_output_chars:
-            raise InvalidRequest(f"the response_format schema can never be met: {key} {_shown(node[key])} is more "
-                                 f"than any answer can hold (at most {max_output_chars} characters)", PARAM)
+            raise InvalidRequest(f"{site.what} can never be met: {key} {_shown(node[key])} is more than any "
+                                 f"answer can hold (at most {max_output_chars} characters)", site.param)
     for key in MAX_COUNT_KEYWORDS:  # dropped, not clamped: unbounded costs nothing, a clamped bound is spelled out
         if _is_count(node.get(key)) and node[key] > max_output_chars:
             del node[key]
@@ -248,18 +265,31 @@ def _class_end(pattern: str, start: int) -> int:
 
 def check_compiles(schema_text: str, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS) -> None:
     """Compile the schema's grammar within PARSER_LIMITS and take its first steps; a refusal names the problem."""
-    if error := _compile_error(schema_text, max_output_chars):
+    if error := _compile_error(schema_text, "json", max_output_chars):
         raise InvalidRequest(f"the response_format schema is not supported: {error[:300]}", PARAM)
 
 
+def check_lark_compiles(lark: str, site: SchemaSite, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS) -> None:
+    """The same check for a Lark grammar (tool calls: their markup around each tool's schema)."""
+    if error := _compile_error(lark, "lark", max_output_chars):
+        raise InvalidRequest(f"{site.what} is not supported: {error[:300]}", site.param)
+
+
+def grammar_of(kind: str, text: str) -> str:
+    """llguidance's grammar for a JSON schema ("json") or a Lark grammar ("lark"), as LLMatcher takes it."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(text) if kind == "json" else LLMatcher.grammar_from_lark(text)
+
+
 @functools.lru_cache(maxsize=NUM_KEPT_SCHEMAS)
-def _compile_error(schema_text: str, max_output_chars: int) -> str:
+def _compile_error(text: str, kind: str, max_output_chars: int) -> str:
     """Some errors only show once the grammar runs: a schema that forces an endless output (a required recursive
     $ref) or a lexer too large to build. A matcher on a byte vocabulary (no model needed, ~1 MB) computes the first
     mask and the bytes the grammar forces from the start, as the worker's first steps would."""
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(schema_text)
+    grammar = grammar_of(kind, text)
     if error := LLMatcher.validate_grammar(grammar, None, limits=parser_limits()):
         return error
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=parser_limits())

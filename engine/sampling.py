@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     response_format: str | None = None  # JSON mode: the checked schema text (engine/response_format.py)
+    tool_grammar: str | None = None  # tool calls: the calls' checked Lark grammar (engine/tool_calls.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
@@ -151,6 +152,7 @@ class SamplingParams:
         logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         return WorkerSampling(
             *draw, self.seed, max_tokens, self.ignore_eos, json_schema=self.response_format,
+            lark_grammar=self.tool_grammar,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((token_id, float(bias)) for token_id, bias in self.logit_bias),

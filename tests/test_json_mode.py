@@ -185,7 +185,7 @@ def allowed_ids(constraint, width: int = 49152) -> set[int]:
 
 
 def test_a_document_is_allowed_token_by_token_then_only_eos(grammars, tokenizer):
-    constraint = grammars.constraint(parse_response_format(PERSON_FORMAT))
+    constraint = grammars.constraint("json", parse_response_format(PERSON_FORMAT))
     document = '{"name": "Ada", "age": 36, "hobbies": ["math", "engines"]}'
     assert json.loads(document)
     first = allowed_ids(constraint)
@@ -197,7 +197,7 @@ def test_a_document_is_allowed_token_by_token_then_only_eos(grammars, tokenizer)
 
 
 def test_fixed_whitespace_and_padding_columns_are_masked(grammars, tokenizer):
-    constraint = grammars.constraint(parse_response_format(OBJECT_FORMAT))
+    constraint = grammars.constraint("json", parse_response_format(OBJECT_FORMAT))
     for token_id in tokenizer.encode('{"a":', add_special_tokens=False):
         constraint.advance(token_id)
     allowed = allowed_ids(constraint, width=49152 + 64)  # a model whose logits are wider than its vocabulary
@@ -208,20 +208,21 @@ def test_fixed_whitespace_and_padding_columns_are_masked(grammars, tokenizer):
 
 def test_a_refused_token_fails_the_next_mask_not_the_advance_nor_the_next_request(grammars, tokenizer):
     schema_text = parse_response_format(OBJECT_FORMAT)
-    constraint = grammars.constraint(schema_text)
+    constraint = grammars.constraint("json", schema_text)
     constraint.advance(tokenizer.encode("hello", add_special_tokens=False)[0])  # never raises: see its docstring
     with pytest.raises(ValueError, match="response_format"):
         allowed_ids(constraint)
     # the next request with the same schema starts afresh (the kept matcher is copied, never advanced)
-    assert tokenizer.encode("{", add_special_tokens=False)[0] in allowed_ids(grammars.constraint(schema_text))
+    assert tokenizer.encode("{", add_special_tokens=False)[0] in allowed_ids(grammars.constraint("json",
+                                                                                                 schema_text))
 
 
 def test_kept_matchers_are_bounded_by_their_expansion(grammars):
     large = [parse_response_format(of_schema(integers(maxItems=MAX_EXPANSION - i))) for i in range(3)]
     for schema_text in large:
-        grammars.constraint(schema_text)
+        grammars.constraint("json", schema_text)
     kept = grammars._fresh_matchers
-    assert list(kept) == large[-(MAX_KEPT_EXPANSION // MAX_EXPANSION):]
+    assert list(kept) == [("json", text) for text in large[-(MAX_KEPT_EXPANSION // MAX_EXPANSION):]]
     assert sum(weight for _, weight in kept.values()) <= MAX_KEPT_EXPANSION
 
 

@@ -100,10 +100,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value", "messages"),
     ("chat", {"messages": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]}, "invalid_value",
      "messages"),
-    ("chat", {"tools": [TOOL]}, "unsupported_field", "tools"),
-    ("chat", {"tool_choice": "auto"}, "unsupported_field", "tool_choice"),
+    ("chat", {"tools": [TOOL, TOOL]}, "invalid_value", "tools"),  # the same name twice
+    ("chat", {"tool_choice": "required"}, "invalid_value", "tool_choice"),  # no tools to call
     ("chat", {"functions": [TOOL["function"]]}, "unsupported_field", "functions"),
-    ("chat", {"parallel_tool_calls": True}, "unsupported_field", "parallel_tool_calls"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "unsupported_field", "audio"),
     ("chat", {"modalities": ["text", "audio"]}, "unsupported_field", "modalities"),
     ("chat", {"stream_options": {"include_usage": True}}, "unsupported_field", "stream_options"),
@@ -121,10 +120,10 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("chat", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]},
      "invalid_value", "messages"),
     ("chat", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "unsupported_field", "messages"),
-    ("chat", {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "18C"}]}, "unsupported_field",
-     "messages"),
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "invalid_value", "messages"),  # arguments must be an object
+    ("chat", {"messages": [{"role": "tool", "tool_call_id": "c1", "content": "18C"}]}, "invalid_value",
+     "messages"),  # answers no call
     ("completions", {"suffix": " the end."}, "unsupported_field", "suffix"),
     ("completions", {"prompt": [1, "two"]}, "invalid_value", "prompt"),
     ("completions", {"prompt": [[1, 2], []]}, "invalid_value", "prompt"),

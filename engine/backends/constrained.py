@@ -10,21 +10,27 @@ outlines-core).
 import logging
 from collections import OrderedDict
 
-from ..response_format import MAX_EXPANSION, NUM_KEPT_SCHEMAS, expansion_of, parser_limits, short_error
+from ..response_format import MAX_EXPANSION, NUM_KEPT_SCHEMAS, expansion_of, grammar_of, parser_limits, short_error
 
 logger = logging.getLogger(__name__)
 
 # Kept matchers are bounded by their total expansion too: 32 schemas at the bound would hold ~500 MB.
 MAX_KEPT_EXPANSION = 2 * MAX_EXPANSION
+# A tool grammar's weight among the kept matchers: its schemas passed the same bounds, but they are not walked here.
+LARK_WEIGHT = MAX_EXPANSION // 4
 
 
-def constraint_for(json_schema: str | None, grammars: "GrammarCompiler | None") -> "JsonConstraint | None":
-    """The sampler's hook: a matcher when the request is in JSON mode, else None."""
-    if json_schema is None:
+def constraint_for(sampling, grammars: "GrammarCompiler | None") -> "JsonConstraint | None":
+    """The sampler's hook: a matcher when the request is in JSON mode or must call tools, else None."""
+    if sampling.json_schema is not None:
+        kind, text = "json", sampling.json_schema
+    elif sampling.lark_grammar is not None:
+        kind, text = "lark", sampling.lark_grammar
+    else:
         return None
     if grammars is None:
         raise ValueError("response_format: this backend has no grammar compiler")
-    return grammars.constraint(json_schema)
+    return grammars.constraint(kind, text)
 
 
 class GrammarCompiler:
@@ -36,7 +42,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the width of the logits; None: the tokenizer's size
         self.eos_token_ids = eos_token_ids
         self._tokenizer = None
-        self._fresh_matchers: OrderedDict[str, tuple[object, int]] = OrderedDict()  # schema -> (matcher, weight)
+        # (kind, grammar text) -> (matcher, weight)
+        self._fresh_matchers: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
 
     @property
     def tokenizer(self):
@@ -44,13 +51,16 @@ class GrammarCompiler:
             self._tokenizer = self._load_tokenizer()
         return self._tokenizer
 
-    def constraint(self, schema_text: str) -> "JsonConstraint":
-        """A fresh matcher for one request (one per sample: n > 1 samples advance apart)."""
-        kept = self._fresh_matchers.get(schema_text)
+    def constraint(self, kind: str, text: str) -> "JsonConstraint":
+        """A fresh matcher for one request (one per sample: n > 1 samples advance apart). `kind`: "json" (a
+        checked schema) or "lark" (tool calls: their markup around the tools' checked schemas)."""
+        key = (kind, text)
+        kept = self._fresh_matchers.get(key)
         if kept is None:
-            kept = self._build_matcher(schema_text), expansion_of(schema_text)
-            self._fresh_matchers[schema_text] = kept
-        self._fresh_matchers.move_to_end(schema_text)
+            weight = expansion_of(text) if kind == "json" else LARK_WEIGHT
+            kept = self._build_matcher(kind, text), weight
+            self._fresh_matchers[key] = kept
+        self._fresh_matchers.move_to_end(key)
         self._forget_oldest_matchers()
         return JsonConstraint(kept[0].deep_copy(), self.tokenizer.vocab_size)
 
@@ -61,11 +71,10 @@ class GrammarCompiler:
                 or sum(weight for _, weight in self._fresh_matchers.values()) > MAX_KEPT_EXPANSION):
             self._fresh_matchers.popitem(last=False)
 
-    def _build_matcher(self, schema_text: str):
+    def _build_matcher(self, kind: str, text: str):
         from llguidance import LLMatcher
 
-        grammar = LLMatcher.grammar_from_json_schema(schema_text)
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        matcher = LLMatcher(self.tokenizer, grammar_of(kind, text), log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise ValueError(f"response_format: {short_error(matcher.get_error())[:300]}")
         return matcher

@@ -122,7 +122,7 @@ class TokenSampler:
     def __init__(self, sampling: WorkerSampling, device: torch.device, prompt_token_ids: tuple[int, ...] = (),
                  sample_index: int = 0, vocab_size: int | None = None, grammars: GrammarCompiler | None = None):
         self.sampling = sampling
-        self.constraint = constraint_for(sampling.json_schema, grammars)  # JSON mode, else None
+        self.constraint = constraint_for(sampling, grammars)  # JSON mode or tool calls, else None
         self.device = device
         self.num_generated = 0
         self.generator = None

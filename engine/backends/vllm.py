@@ -145,10 +145,12 @@ def _sampling_params(sampling: WorkerSampling, sample_index: int = 0):
 def _structured_outputs(sampling: WorkerSampling):
     """JSON mode: vLLM's own structured outputs, with the schema text the hf backend compiles (its
     `x-guidance` options give both the same grammar: see engine/response_format.py)."""
-    if sampling.json_schema is None:
+    if sampling.json_schema is None and sampling.lark_grammar is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
+    if sampling.lark_grammar is not None:  # tool calls: llguidance's Lark, which vLLM's guidance backend reads
+        return StructuredOutputsParams(grammar=sampling.lark_grammar)
     return StructuredOutputsParams(json=sampling.json_schema)
 
 
