@@ -209,11 +209,12 @@ def test_every_block_type_reaches_the_4_bit_kernels_with_its_values(family_files
         assert (error <= block_max / 127 * (0.5 + 127 * 2.0 ** -11) + 127 * 2.0 ** -25).all() and error.max() > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_a_file_of_every_type_runs_on_the_4_bit_kernels(family_files, family, make_engine, cache_dir):
     """The file's blocks repacked (llama's q/k rows permuted back, q/k/v of two formats fused as Q8_0, llama's
-    untied token embedding, Qwen2's q/k/v biases, Qwen3's q/k norms): with float32 activations, the kernels' greedy
-    tokens are the float32 model's on the same weights."""
+    untied token embedding, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's GeGLU, output norms, embedding
+    scale, local rotary and 8-position sliding windows): with float32 activations, the kernels' greedy tokens are
+    the float32 model's on the same weights."""
     files = family_files[family]
     engine = make_engine(files["gguf"], cache_dir=cache_dir, dtype="auto", weights="exact")
     assert engine.info.weights == "q4_1+q8_0" and "4-bit kernels" in engine.info.compute

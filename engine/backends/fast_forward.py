@@ -9,8 +9,9 @@ it than transformers' forward, on one of two kinds of kernels:
   weight reordered once into oneDNN's blocked layout (read much faster than the plain one: docs/benchmarks.md)
   where that gives the plain matmul's numbers bit for bit.
 
-On the embedded model's own 4-bit blocks (q4.py, `FastDecoder(model, q4=...)`), decode steps and prompt chunks are
-each one call of lockstep's 4-bit kernels, which compute a chunk as decode steps (the same bits) and every row alike.
+On a GGUF file's own blocks (q4.py, `FastDecoder(model, q4=...)`: llama, qwen2, qwen3 and gemma3 files, the
+embedded model's among them), decode steps and prompt chunks are each one call of lockstep's 4-bit kernels, which
+compute a chunk as decode steps (the same bits) and every row alike.
 
 Otherwise, this forward fuses the q/k/v projections into one matmul and gate/up into another (fewer calls a step).
 The fused weights are the storage: the model's own weights become views of them, so its forward (kept for other
@@ -41,7 +42,9 @@ from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
-Q4_MODEL_TYPES = SUPPORTED_MODEL_TYPES | {"qwen2", "qwen3"}  # q4_kernels.c adds q/k/v biases and q/k norms
+# q4_kernels.c adds q/k/v biases and q/k norms, and Gemma 3's GeGLU, output norms, windows and local rotary
+Q4_MODEL_TYPES = SUPPORTED_MODEL_TYPES | {"qwen2", "qwen3", "gemma3_text"}
+Q4_ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
 # Up to this many rows (a decode step's) a fused weight's matmul is used where it was probed to give its parts'
 # numbers; prompt chunks compute each part apart: on AMX, oneDNN blocks a 960-column bfloat16 matmul of ~200+
@@ -154,16 +157,31 @@ class FastDecoder:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
-        self.rotary_table = RotaryTable(self.rotary)
+        # Gemma scales the embedded tokens (by sqrt(hidden), in the weights' dtype, as its embedding module does)
+        scale = getattr(decoder.embed_tokens, "embed_scale", None)
+        self.embed_scale = None if scale is None else scale.to(self.embed.dtype)
+        is_gemma = config.model_type == "gemma3_text"
+        kinds = set(getattr(config, "layer_types", None) or ()) if is_gemma else set()  # the module's tables
+        self.rotary_table = RotaryTable(self.rotary, min(kinds) if kinds else None)  # "full_attention" first
+        self.local_rotary_table = RotaryTable(self.rotary, "sliding_attention") if "sliding_attention" in kinds \
+            else None
         self.kernels, self.stack, self.share_matmuls_rows, self.layers = None, None, 0, []
         self.attention_on_kernels, self.rows_independent = False, True
         self.q4 = kernels
         layers = decoder.layers
-        epsilons = [norm.variance_epsilon for layer in layers
-                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.q4_stack = Q4Stack(weights, [layer.input_layernorm.weight for layer in layers],
-                                [layer.post_attention_layernorm.weight for layer in layers],
-                                epsilons + [decoder.norm.variance_epsilon], decoder.norm.weight, config, kernels)
+        shift = 1.0 if is_gemma else 0.0  # Gemma's norms multiply by 1 + w, computed in float32 as it does
+
+        def multiplier(norm: nn.Module) -> torch.Tensor:
+            return norm.weight.float() + shift if shift else norm.weight
+
+        pre_ffn = [layer.pre_feedforward_layernorm if is_gemma else layer.post_attention_layernorm
+                   for layer in layers]
+        epsilons = [_epsilon(norm) for layer, ffn in zip(layers, pre_ffn) for norm in (layer.input_layernorm, ffn)]
+        output_norms = [(multiplier(layer.post_attention_layernorm), multiplier(layer.post_feedforward_layernorm))
+                        for layer in layers] if is_gemma else None
+        self.q4_stack = Q4Stack(weights, [multiplier(layer.input_layernorm) for layer in layers],
+                                [multiplier(norm) for norm in pre_ffn], epsilons + [_epsilon(decoder.norm)],
+                                multiplier(decoder.norm), config, kernels, output_norms)
 
     def new_prompt_cache(self, num_tokens: int) -> PromptCache | DynamicCache:
         """A prompt's own cache for `prefill`: one slot of the 4-bit path's layout (`num_tokens` positions: the
@@ -175,8 +193,11 @@ class FastDecoder:
     def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: SlotTables,
                  logit_rows: torch.Tensor) -> torch.Tensor:
         hidden = self.embed[token_ids]  # [N, hidden]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         cos, sin = self.rotary_table(positions)  # [N, head_dim] each
-        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos, sin, caches, logit_rows)
+        local = self.local_rotary_table(positions) if self.local_rotary_table is not None else None
+        return self.q4.forward(self.q4_stack, hidden, slots, positions, cos, sin, caches, logit_rows, local)
 
     @property
     def reads_decode_mask(self) -> bool:
@@ -189,7 +210,10 @@ class FastDecoder:
         config = model.config
         decoder = getattr(model, "model", None)
         model_types = Q4_MODEL_TYPES if on_4_bit_kernels else SUPPORTED_MODEL_TYPES
-        return (config.model_type in model_types and getattr(config, "hidden_act", None) == "silu"
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        return (config.model_type in model_types and activation in (Q4_ACTIVATIONS if on_4_bit_kernels else {"silu"})
+                and getattr(config, "attn_logit_softcapping", None) is None
+                and getattr(config, "final_logit_softcapping", None) is None
                 and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
                 and getattr(decoder, "rotary_emb", None) is not None and hasattr(model, "lm_head")
                 and model.lm_head.bias is None and (any_dtype or _can_pack(model.lm_head.weight)))
@@ -305,16 +329,23 @@ class RotaryTable:
     module's inv_freq * position, then its cos or sin, rounded to float32: the same numbers however many positions
     one call takes, and in every process), then looked up per step instead of ~10 torch calls each time."""
 
-    def __init__(self, rotary: nn.Module):
-        self.rotary = rotary
+    def __init__(self, rotary: nn.Module, layer_type: str | None = None):
+        """`layer_type`: which of the module's frequencies (Gemma 3 has one set for full and one for sliding-window
+        layers); None: its only ones."""
+        self.rotary, self.layer_type = rotary, layer_type
         self.cos = self.sin = torch.empty((0, 0))
         # Other rope types (dynamic scaling) change the frequencies with the length: those ask the module each time.
-        self.static = getattr(rotary, "rope_type", "default") == "default"
+        rope_type = getattr(rotary, "rope_type", "default")
+        self.static = (rope_type[layer_type] if layer_type else rope_type) == "default"
+        prefix = f"{layer_type}_" if layer_type else ""
+        self.inv_freq = getattr(rotary, f"{prefix}inv_freq")
+        self.attention_scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, head_dim] (float32, contiguous) of positions [N] (int64)."""
         if not self.static:
-            cos, sin = self.rotary(torch.empty((1, len(positions), 1)), positions[None])
+            kind = {"layer_type": self.layer_type} if self.layer_type else {}
+            cos, sin = self.rotary(torch.empty((1, len(positions), 1)), positions[None], **kind)
             return cos[0].float().contiguous(), sin[0].float().contiguous()
         if positions.numel() and int(positions.max()) >= len(self.cos):
             self._grow(int(positions.max()) + 1)
@@ -326,12 +357,16 @@ class RotaryTable:
         angles came out different in about one process of ten (half the table's entries off in the last bits;
         more often when computed in pieces), so a restart could change the 4-bit path's greedy answers."""
         size = max(2 * len(self.cos), 1024, num_positions)
-        inv_freq = self.rotary.inv_freq.detach().float().cpu().numpy()
+        inv_freq = self.inv_freq.detach().float().cpu().numpy()
         angles = np.arange(size, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 products, as torch's
         angles = np.concatenate([angles, angles], axis=1).astype(np.float64)
-        scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        scaling = self.attention_scaling
         self.cos = torch.from_numpy(np.cos(angles).astype(np.float32) * np.float32(scaling)).contiguous()
         self.sin = torch.from_numpy(np.sin(angles).astype(np.float32) * np.float32(scaling)).contiguous()
+
+
+def _epsilon(norm: nn.Module) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 def _fuse_layer(layer: nn.Module, kernels: Bf16Kernels | None) -> _Layer:

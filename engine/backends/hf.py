@@ -5,8 +5,9 @@ re-padded per step and a short prompt batched with a long one computes what it w
 rows, feeds prompt chunks within a budget (fewest tokens left first; chunks shrink as the context grows, so a long
 prompt costs the running streams a bounded gap per step, not one long stall), decodes one token for every row
 (skipped once when a prompt just produced its first token, so it goes out at once), and then lets the finished
-prompts join. Llama-shaped models run through fast_forward.py (lockstep's bf16 kernels, oneDNN, or the model's own
-4-bit blocks: `_q4_mode`); other models through their own forward.
+prompts join. Llama-shaped models run through fast_forward.py (lockstep's bf16 kernels or oneDNN), a GGUF file of
+every family it reads on its own blocks with the 4-bit kernels (`_q4_mode`); other models through their own
+forward.
 
 Batch invariance (`batch_invariant`, on by default): a request's greedy tokens are the ones it gets alone. Its
 chunks are planned from its own prompt only, each decode row's attention reads only its own slot, and oneDNN's

@@ -1,5 +1,6 @@
-"""The embedded model computed on its own 4-bit weights (q4_kernels.c): the GGUF's Q4_1 and Q8_0 blocks kept as
-they are, read by lockstep's matmul, and a decode step in one C call, built on first use with the system's C
+"""A GGUF file's model (llama, qwen2, qwen3, gemma3; the embedded model's among them) computed on its own blocks
+with lockstep's 4-bit kernels (q4_kernels.c): the blocks repacked once as Q4_1 or Q8_0 (block_repack.py), read by
+lockstep's matmul, and a decode step or a prompt chunk in one C call, built on first use with the system's C
 compiler (for this CPU: -march=native) into the cache folder and loaded with ctypes.
 
 `load_q4_kernels` returns None (and says why in the log) where they cannot run: no compiler, or a probe against
@@ -40,7 +41,9 @@ FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: re
 BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34}
 INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
 PROBE_ROWS = 19
-KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what lockstep_q4_forward computes (norms, biases: Q4Layer)
+# what lockstep_q4_forward computes (norms, biases: Q4Layer; Gemma 3's GeGLU, windows and local rotary: Q4Stack)
+KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # q4_kernels.c's ACTIVATION_*
 # Keys are kept in blocks of this many positions, positions in lanes (q4_kernels.c's KEY_BLOCK): a cache's capacity
 # is a multiple of it, and a copy of a cache's first positions copies whole blocks (key_positions reads them back).
 KEY_BLOCK = 16
@@ -60,9 +63,9 @@ class Q4Kernels:
         self._rows.argtypes = [pointer, integer, pointer, size, size, pointer]
         self._rows.restype = None
         self._forward = library.lockstep_q4_forward
-        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, pointer, size,
-                                  pointer, pointer, pointer, pointer, ctypes.c_float, pointer, pointer, size, integer,
-                                  integer]
+        self._forward.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                  pointer, pointer, pointer, size, pointer, pointer, pointer, pointer,
+                                  ctypes.c_float, pointer, pointer, size, integer, integer]
         self._forward.restype = ctypes.c_int
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
@@ -131,15 +134,18 @@ class Q4Kernels:
         return out.view(*ids.shape, weight.in_features)
 
     def forward(self, stack: "Q4Stack", hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, caches: "SlotTables", logit_rows: torch.Tensor) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, caches: "SlotTables", logit_rows: torch.Tensor,
+                local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows through every layer, then the logits [len(logit_rows), vocabulary] of the rows logit_rows lists.
         hidden [rows, hidden] (float32, the embedded tokens; overwritten): row r is the token at position
         positions[r] of slot slots[r] of `caches` (it writes its key and value there and attends to positions
-        0..positions[r]), rotated by cos and sin [rows, head_dim]. A decode step: slot r for row r; a prompt
-        chunk: one slot, consecutive positions; chunks of several prompts: a slot each."""
+        0..positions[r]), rotated by cos and sin [rows, head_dim] (by `local_rotary`'s in sliding-window layers,
+        where given). A decode step: slot r for row r; a prompt chunk: one slot, consecutive positions; chunks of
+        several prompts: a slot each."""
         rows = hidden.shape[0]
-        if not (_is_f32_cpu(hidden, cos, sin) and hidden.shape == (rows, stack.hidden)
-                and cos.shape == sin.shape == (rows, stack.head_dim)):
+        cos_local, sin_local = local_rotary if local_rotary is not None else (cos, sin)
+        if not (_is_f32_cpu(hidden, cos, sin, cos_local, sin_local) and hidden.shape == (rows, stack.hidden)
+                and cos.shape == sin.shape == cos_local.shape == sin_local.shape == (rows, stack.head_dim)):
             raise ValueError("forward: hidden states or rotary tables of the wrong shape or kind")
         if caches.num_layers != stack.num_layers or (caches.num_kv_heads, caches.head_dim) != (stack.num_kv_heads,
                                                                                                stack.head_dim):
@@ -156,11 +162,13 @@ class Q4Kernels:
         if logit_rows.dtype != torch.int64 or logit_rows.dim() != 1 or len(logit_rows) > rows \
                 or (len(logit_rows) and not bool(((logit_rows >= 0) & (logit_rows < rows)).all())):
             raise ValueError("forward: logit rows outside the rows")
-        dims = (ctypes.c_int64 * 8)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
-                                    stack.intermediate, caches.num_slots, stack.vocabulary, stack.lm_head_format)
+        dims = (ctypes.c_int64 * 9)(stack.hidden, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+                                    stack.intermediate, caches.num_slots, stack.vocabulary, stack.lm_head_format,
+                                    stack.activation)
         slots, positions, logit_rows = slots.contiguous(), positions.contiguous(), logit_rows.contiguous()
         logits = torch.empty((len(logit_rows), stack.vocabulary), dtype=torch.float32)
         failed = rows and self._forward(dims, stack.num_layers, stack.pointers, stack.formats, stack.eps,
+                                        stack.windows, cos_local.data_ptr(), sin_local.data_ptr(),
                                         caches.keys.data_ptr(),
                                         caches.values.data_ptr(), caches.capacities.data_ptr(), hidden.data_ptr(),
                                         rows, slots.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
@@ -336,13 +344,13 @@ class Q4Layer:
     gate_up: QuantizedWeight
     down: QuantizedWeight
     qkv_bias: torch.Tensor | None = None  # Qwen2: float32 [q + k + v widths]
-    q_norm: torch.Tensor | None = None  # Qwen3: each query head's RMSNorm weight [head_dim], and each key head's
-    k_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: each query head's RMSNorm weight [head_dim], and each key
+    k_norm: torch.Tensor | None = None  # head's (Gemma's as it multiplies: 1 + its weight)
 
 
 class Q4Weights:
-    """A Llama-shaped model's blocks from its GGUF, as the kernels read them (block_repack.py: Q4_1 or Q8_0): per
-    layer the fused q/k/v, output, fused gate/up and down, and the lm_head (the tied token embedding where there is
+    """A model's blocks from its GGUF, as the kernels read them (block_repack.py: Q4_1 or Q8_0): per layer the
+    fused q/k/v, output, fused gate/up and down (with Qwen2's biases, Qwen3's and Gemma 3's q/k norms), the lm_head (the tied token embedding where there is
     no output.weight); `embedding`, an untied model's token embedding dequantized (None where tied)."""
 
     def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor],
@@ -398,14 +406,22 @@ class Q4Weights:
                 raise ValueError(f"{name}: missing or not a vector")
             return torch.from_numpy(_dequantized_rows(gguf, name).reshape(-1))
 
-        layers, norms = [], {"model.norm.weight": norm("output_norm.weight")}
+        # Gemma's files hold its norms as they multiply (1 + w, convert_hf_to_gguf's shift); the model and its norm
+        # modules take w, and the kernels 1 + w computed as the model computes it (the same float32 numbers)
+        shift = 1.0 if gguf.architecture == "gemma3" else 0.0
+
+        def multiplier(weight: torch.Tensor | None) -> torch.Tensor | None:
+            return None if weight is None else weight + shift
+
+        layers, norms = [], {"model.norm.weight": norm("output_norm.weight") - shift}
         for i in range(config.num_hidden_layers):
             block, attention = f"blk.{i}.", f"model.layers.{i}.self_attn."
             extras = {}  # HF name -> values, for the model (give_model_the_same_weights) and the kernels alike
             if gguf.architecture == "qwen2":
                 extras.update({f"{attention}{p}_proj.bias": norm(f"{block}attn_{p}.bias") for p in "qkv"})
-            if gguf.architecture == "qwen3":
-                extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") for p in "qk"})
+            if gguf.architecture in ("qwen3", "gemma3"):
+                extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") - shift
+                               for p in "qk"})
             layers.append(Q4Layer(
                 qkv=weight(blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
                            blocks(block + "attn_v.weight")),
@@ -414,10 +430,17 @@ class Q4Weights:
                 down=weight(blocks(block + "ffn_down.weight")),
                 qkv_bias=torch.cat([extras[f"{attention}{p}_proj.bias"] for p in "qkv"]) if extras and
                 gguf.architecture == "qwen2" else None,
-                q_norm=extras.get(f"{attention}q_norm.weight"), k_norm=extras.get(f"{attention}k_norm.weight")))
+                q_norm=multiplier(extras.get(f"{attention}q_norm.weight")),
+                k_norm=multiplier(extras.get(f"{attention}k_norm.weight"))))
             norms.update(extras)
-            norms[f"model.layers.{i}.input_layernorm.weight"] = norm(block + "attn_norm.weight")
-            norms[f"model.layers.{i}.post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
+            layer = f"model.layers.{i}."
+            norms[layer + "input_layernorm.weight"] = norm(block + "attn_norm.weight") - shift
+            if gguf.architecture == "gemma3":
+                norms[layer + "pre_feedforward_layernorm.weight"] = norm(block + "ffn_norm.weight") - shift
+                norms[layer + "post_attention_layernorm.weight"] = norm(block + "post_attention_norm.weight") - shift
+                norms[layer + "post_feedforward_layernorm.weight"] = norm(block + "post_ffw_norm.weight") - shift
+            else:
+                norms[layer + "post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
         untied = "output.weight" in gguf.tensors
         lm_head = weight(blocks("output.weight" if untied else "token_embd.weight"))
         embedding = None
@@ -527,14 +550,25 @@ class Q4Stack:
     """The weights as `Q4Kernels.forward` reads them (pointers into tensors it keeps)."""
 
     def __init__(self, weights: Q4Weights, input_norms: list[torch.Tensor], post_norms: list[torch.Tensor],
-                 epsilons: list[float], final_norm: torch.Tensor, config, kernels: Q4Kernels):
+                 epsilons: list[float], final_norm: torch.Tensor, config, kernels: Q4Kernels,
+                 output_norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """`post_norms`: the norms before each FFN; `output_norms`: Gemma 3's norms of each attention's and FFN's
+        output. Norms as they multiply (Gemma's 1 + w)."""
         self.num_layers = len(weights.layers)
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.hidden = config.hidden_size
         self.intermediate = weights.layers[0].gate_up.out_features // 2
         self.vocabulary = weights.lm_head.out_features
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
+        self.scaling = self.scaling ** -0.5
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"the 4-bit decode step cannot run this model: its activation is {activation}")
+        self.activation = ACTIVATIONS[activation]
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(weights.layers)
+        windows = [config.sliding_window if kind == "sliding_attention" else 0 for kind in layer_types]
+        self.windows = (ctypes.c_int64 * len(windows))(*windows) if any(windows) else None
         expected = {"qkv": ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim, self.hidden),
                     "out": (self.hidden, self.num_heads * self.head_dim),
                     "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
@@ -554,12 +588,13 @@ class Q4Stack:
         lm_head = kernels.interleaved(weights.lm_head)
         self.lm_head_format = lm_head.format
         tensors: list[torch.Tensor | None] = []  # q4_kernels.c's WEIGHTS_PER_LAYER a layer; None: NULL
+        output_norms = output_norms or [(None, None)] * self.num_layers
         for i, ((qkv, out, gate_up, down), layer) in enumerate(zip(layers, weights.layers)):
             extras = [None if t is None else t.detach().float().contiguous()
-                      for t in (layer.qkv_bias, layer.q_norm, layer.k_norm)]
+                      for t in (layer.qkv_bias, layer.q_norm, layer.k_norm, *output_norms[i])]
             if (extras[1] is None) != (extras[2] is None) or any(
                     t is not None and t.shape != (width,) for t, width in zip(
-                        extras, (expected["qkv"][0], self.head_dim, self.head_dim))):
+                        extras, (expected["qkv"][0], self.head_dim, self.head_dim, self.hidden, self.hidden))):
                 raise ValueError("the 4-bit decode step cannot run this model: a bias or q/k norm of another shape")
             tensors += [norms[i], qkv.blocks, out.blocks, norms[self.num_layers + i], gate_up.blocks, down.blocks,
                         *extras]

@@ -2119,6 +2119,7 @@ struct attention_job {
     const int64_t *tiles, *chunks; /* tile t: rows tiles[t]..tiles[t + 1]-1; chunk c: tiles chunks[c].. */
     int64_t kv_heads, group, capacity, head_dim, qkv_width; /* capacity: the largest slot's */
     float scaling;
+    int64_t window; /* a sliding-window layer's: each query sees its last `window` positions (0: all) */
     int half;       /* keys and values in float16 (else float32) */
     atomic_int *out_of_memory; /* set by a unit that could not have its scores' memory */
 };
@@ -2206,6 +2207,8 @@ static void attention_unit(const void *context, int64_t unit) {
         for (int q = 0; q < sets[s].count; q++) {
             float *weights = sets[s].queries[q].scores;
             int64_t length = sets[s].queries[q].length;
+            /* a sliding window: the positions before it weigh nothing (scored, then dropped: simple, and exact) */
+            for (int64_t p = 0; job->window && p < length - job->window; p++) weights[p] = -INFINITY;
             float inverse = 1.0f / exponentiate(weights, length);
             for (int64_t p = 0; p < length; p++) weights[p] *= inverse;
         }
@@ -2254,16 +2257,39 @@ static void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
     }
 }
 
-enum { WEIGHTS_PER_LAYER = 9 };
+/* GeGLU's product (Gemma), gelu(gate) * up with the tanh approximation, as torch's gelu(approximate="tanh"). */
+static void gelu_mul(const float *gate_up, float *out, int64_t rows, int64_t intermediate) {
+    const float root_two_over_pi = 0.7978845608028654f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * intermediate, *up = gate + intermediate;
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float x = gate[i];
+            out[r * intermediate + i] = 0.5f * x * (1.0f + tanhf(root_two_over_pi * (x + 0.044715f * x * x * x))) * up[i];
+        }
+    }
+}
+
+enum { WEIGHTS_PER_LAYER = 11 };
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
+
+/* Gemma's norms of a sublayer's output, before it joins the residual: hidden += norm(projected) (else +=). */
+static void add_output(float *hidden, float *projected, const float *output_norm, int64_t rows, int64_t width,
+                       float eps) {
+    if (output_norm) rms_norm(projected, output_norm, projected, rows, width, eps);
+    for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
+}
 
 /* Rows through every layer of a Llama-shaped model (Qwen2 and Qwen3 too), then the final norm and lm_head for the
  * rows logit_rows lists: a decode step (row r: the next token of slot r), a prompt chunk (every row in the prompt's one slot, at
  * consecutive positions) or chunks of several prompts (one slot each), computed alike, so a chunked prompt gives
  * what decoding it token by token gives, alone or beside others.
- * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format.
- * weights: WEIGHTS_PER_LAYER per layer (input norm f32, q/k/v, output, post-attention norm f32, gate/up, down, then
- * f32 or NULL: the q/k/v bias (Qwen2), the query and the key heads' norms (Qwen3), normed with the layer's first
- * eps), then the final norm and the lm_head; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
+ * dims: hidden, heads, kv_heads, head_dim, intermediate, slots, vocabulary, lm_head format, activation (SwiGLU's
+ * silu or Gemma's GeGLU).
+ * weights: WEIGHTS_PER_LAYER per layer (input norm f32, q/k/v, output, pre-FFN norm f32, gate/up, down, then
+ * f32 or NULL: the q/k/v bias (Qwen2), the query and the key heads' norms (Qwen3, Gemma 3), normed with the layer's
+ * first eps, the attention's and the FFN's output norms (Gemma 3), with its first eps), then the final norm and the
+ * lm_head; windows: per layer, 0 or a sliding window (Gemma 3's local layers, rotated by cos_local and sin_local);
+ * NULL: no window anywhere; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
  * regrouped by 8 rows: a GGUF's block types mix, engine/backends/block_repack.py); eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
  * s, that slot's cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]; keys in blocks, key_offset),
  * float32 with exact, float16 without. hidden: [rows,
@@ -2272,7 +2298,7 @@ enum { WEIGHTS_PER_LAYER = 9 };
  * for lockstep_q4_linear. Returns 0, -1 if scratch memory could not be had, -2 for an interleaved format where it
  * cannot run. Rows of one slot must be in order of position. */
 int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *weights, const int64_t *formats,
-                        const float *eps,
+                        const float *eps, const int64_t *windows, const float *cos_local, const float *sin_local,
                         void *const *keys, void *const *values, const int64_t *capacities, float *hidden,
                         int64_t rows, const int64_t *slots, const int64_t *positions, const float *cos,
                         const float *sin, float scaling, float *logits, const int64_t *logit_rows,
@@ -2281,7 +2307,7 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
                   slot_count = dims[5], vocabulary = dims[6];
     int64_t capacity = 0; /* the largest slot's: the scores' stride */
     for (int64_t s = 0; s < slot_count; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
-    const int lm_head_format = (int)dims[7];
+    const int lm_head_format = (int)dims[7], activation = (int)dims[8];
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim, kv_bytes = exact ? 4 : 2;
     for (int64_t layer = 0; layer < layers; layer++) {
         const int64_t *f = formats + 4 * layer;
@@ -2314,17 +2340,19 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         const void *const *w = weights + WEIGHTS_PER_LAYER * layer;
         const int64_t *f = formats + 4 * layer; /* qkv, out, gate_up, down: each its own (a file's types mix) */
         const float *qkv_bias = w[6], *q_norm = w[7], *k_norm = w[8];
+        const int64_t window = windows ? windows[layer] : 0;
+        const float *layer_cos = window && cos_local ? cos_local : cos, *layer_sin = window && sin_local ? sin_local : sin;
         rms_norm(hidden, w[0], normed, rows, width, eps[2 * layer]);
         matmul(shared, normed, quantized, w[1], (int)f[0], qkv, rows, qkv_width, width, exact);
         for (int64_t r = 0; r < rows; r++) {
             float *token = qkv + r * qkv_width;
             if (qkv_bias)
                 for (int64_t i = 0; i < qkv_width; i++) token[i] += qkv_bias[i];
-            if (q_norm) /* Qwen3: each head's query and key normed before the rotation */
+            if (q_norm) /* Qwen3, Gemma 3: each head's query and key normed before the rotation */
                 for (int64_t h = 0; h < heads + kv_heads; h++)
                     rms_norm(token + h * head_dim, h < heads ? q_norm : k_norm, token + h * head_dim, 1, head_dim,
                              eps[2 * layer]);
-            rotate_heads(token, heads + kv_heads, head_dim, cos + r * head_dim, sin + r * head_dim);
+            rotate_heads(token, heads + kv_heads, head_dim, layer_cos + r * head_dim, layer_sin + r * head_dim);
             const int64_t slot = layer * slot_count + slots[r];
             for (int64_t h = 0; h < kv_heads; h++) {
                 const int64_t head = h * capacities[slots[r]] * head_dim, at = head + positions[r] * head_dim;
@@ -2341,17 +2369,20 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
         struct attention_job attention = {qkv,      (const void *const *)keys + layer * slot_count,
                                           (const void *const *)values + layer * slot_count,
                                           attended, slots,     lengths,   capacities, tiles,    chunks,
-                                          kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, !exact,
-                                          &out_of_memory};
+                                          kv_heads, group,     capacity,  head_dim,   qkv_width, scaling, window,
+                                          !exact,   &out_of_memory};
         run_units(share_attention, attention_unit, &attention, chunk_count * kv_heads);
         if (atomic_load(&out_of_memory)) break;
         matmul(shared, attended, quantized, w[2], (int)f[1], projected, rows, width, attended_width, exact);
-        for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
+        add_output(hidden, projected, w[9], rows, width, eps[2 * layer]);
         rms_norm(hidden, w[3], normed, rows, width, eps[2 * layer + 1]);
         matmul(shared, normed, quantized, w[4], (int)f[2], gate_up, rows, 2 * intermediate, width, exact);
-        silu_mul(gate_up, activated, rows, intermediate);
+        if (activation == ACTIVATION_GELU_TANH)
+            gelu_mul(gate_up, activated, rows, intermediate);
+        else
+            silu_mul(gate_up, activated, rows, intermediate);
         matmul(shared, activated, quantized, w[5], (int)f[3], projected, rows, width, intermediate, exact);
-        for (int64_t i = 0; i < rows * width; i++) hidden[i] += projected[i];
+        add_output(hidden, projected, w[10], rows, width, eps[2 * layer]);
     }
     if (atomic_load(&out_of_memory)) {
         if (shared) end_shared();
