@@ -283,15 +283,36 @@ def _responses_schemas(sampling: dict) -> dict:
                            "content": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": part}]},
                            "id": {}, "status": {}, "phase": {}},
             "description": "A message item: developer is read as system, parts are joined by newlines"}
+    call_id = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
+    call_item = {"type": "object", "additionalProperties": False, "required": ["type", "call_id", "name", "arguments"],
+                 "properties": {"type": {"const": "function_call"}, "call_id": call_id, "name": _STRING,
+                                "arguments": {"type": "string", "description": "a JSON object as text"},
+                                "id": {}, "status": {}}, "description": "An earlier answer's call"}
+    output_item = {"type": "object", "additionalProperties": False, "required": ["type", "call_id", "output"],
+                   "properties": {"type": {"const": "function_call_output"}, "call_id": call_id, "output": _STRING,
+                                  "id": {}, "status": {}},
+                   "description": "A call's result: call_id names an earlier call"}
     message = _object({"id": _STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
                        "status": {"enum": ["in_progress", "completed", "incomplete"]},
                        "content": _array(_object({"type": {"const": "output_text"}, "text": _STRING}))})
+    function_call = _object({"id": _STRING, "type": {"const": "function_call"}, "call_id": _STRING, "name": _STRING,
+                             "arguments": _STRING, "status": {"enum": ["completed", "incomplete"]}})
+    chat_tools = _tool_fields()
+    function = chat_tools["tools"]["anyOf"][0]["items"]["properties"]["function"]
+    tool = {**function, "required": ["type", "name"],
+            "properties": {"type": {"const": "function"}, **function["properties"]}}
     usage = _object({"input_tokens": _COUNT, "input_tokens_details": _object({"cached_tokens": _COUNT}),
                      "output_tokens": _COUNT, "total_tokens": _COUNT})
     return {
         "ResponseRequest": _request({
             "input": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES,
-                                        "items": item}]},
+                                        "items": {"anyOf": [item, call_item, output_item]}}]},
+            "tools": _nullable({"type": "array", "maxItems": tool_calls.MAX_TOOLS, "items": tool,
+                                "description": "function tools; names unique"}),
+            "tool_choice": _nullable({"anyOf": [{"enum": list(tool_calls.CHOICES)}, {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": _STRING}}]}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
             "instructions": _nullable(_STRING), "max_output_tokens": _nullable(_max_tokens()),
             "text": _nullable({"type": "object", "additionalProperties": False, "properties": {
                 "format": _nullable(_text_format()), "verbosity": {"type": "null"}}}),
@@ -306,7 +327,8 @@ def _responses_schemas(sampling: dict) -> dict:
         "Response": _object({
             "id": _STRING, "object": {"const": "response"}, "created_at": _COUNT, "model": _STRING,
             "status": {"enum": ["completed", "incomplete", "failed", "cancelled"]},
-            "incomplete_details": _nullable(_object({"reason": _STRING})), "output": _array(message),
+            "incomplete_details": _nullable(_object({"reason": _STRING})),
+            "output": _array({"anyOf": [message, function_call]}),
             "usage": _nullable(usage)}),
         "ResponseDeleted": _object({"id": _STRING, "object": {"const": "response.deleted"},
                                     "deleted": {"const": True}}),

@@ -318,7 +318,7 @@ def messages_field(body: dict, with_tools: bool = False) -> list[dict]:
              else _plain_message(message, index) for index, message in enumerate(messages)]
     check_conversation(plain, "messages")
     if with_tools:
-        _check_call_ids(plain)
+        check_call_ids(plain)
     return plain
 
 
@@ -398,14 +398,14 @@ def _json_or_none(text: str):
         return None
 
 
-def _check_call_ids(messages: list[dict]) -> None:
+def check_call_ids(messages: list[dict], param: str = "messages") -> None:
     """Each tool message answers a call made earlier in the conversation (OpenAI refuses one that does not)."""
     made = set()
     for index, message in enumerate(messages):
         made.update(call["id"] for call in message.get("tool_calls") or ())
         if message["role"] == "tool" and message["tool_call_id"] not in made:
-            raise invalid_value("messages", f"messages[{index}].tool_call_id "
-                                            f"{shown_name(message['tool_call_id'])!r} answers no earlier tool call")
+            raise invalid_value(param, f"{param}[{index}]: the call id {shown_name(message['tool_call_id'])!r} "
+                                       "answers no earlier tool call")
 
 
 def _check_message_field(name: str, value, where: str) -> None:

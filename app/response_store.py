@@ -16,14 +16,21 @@ MESSAGE_OVERHEAD_BYTES = 64  # a message's role and dict, roughly, beside its te
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict  # the response object, as answered
-    history: tuple[dict, ...]  # the conversation it continues plus its output: {role, content} messages
+    history: tuple[dict, ...]  # the conversation it continues plus its output: {role, content} messages (and calls)
     num_bytes: int
 
     @classmethod
     def of(cls, response: dict, history: tuple[dict, ...]) -> "StoredResponse":
         size = len(json.dumps(response, ensure_ascii=False).encode("utf-8", "surrogatepass"))
-        size += sum(len(m["content"].encode("utf-8", "surrogatepass")) + MESSAGE_OVERHEAD_BYTES for m in history)
+        size += sum(_message_bytes(m) + MESSAGE_OVERHEAD_BYTES for m in history)
         return cls(response, history, size)
+
+
+def _message_bytes(message: dict) -> int:
+    """Its text, and its tool calls where it has them (content null)."""
+    calls = message.get("tool_calls")
+    text = (message["content"] or "") + (json.dumps(calls, ensure_ascii=False) if calls else "")
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 class ResponseStore:

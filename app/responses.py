@@ -4,6 +4,7 @@ A request becomes a `Turn`: the messages the chat template gets (instructions, t
 input items), the sampling, and the fields the answer repeats. An engine output becomes OpenAI's response
 object. app/responses_ws.py streams the same turns over the WebSocket (OpenAI's "WebSocket mode").
 """
+import json
 import logging
 import time
 import uuid
@@ -13,12 +14,13 @@ from typing import Callable
 from flask import Blueprint, jsonify, request
 
 from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams, check_encodable
+from engine.tool_calls import ToolFormat, ToolRequest, constrained_sampling, parse_tool_request
 
 from .api import run_one
 from .errors import FAILED_OUTPUT_MESSAGE, ApiError, invalid_value, missing_field, unsupported_field
-from .request_parsing import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, ContentParts, RequestShape,
-                              check_conversation, content_text, metadata_field, read_json_body, sampling_fields,
-                              shown_name)
+from .request_parsing import (CACHE_SALT, MAX_CALL_ID, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, TOOL_FIELDS,
+                              ContentParts, RequestShape, check_call_ids, check_conversation, content_text,
+                              metadata_field, read_json_body, sampling_fields, shown_name)
 from .response_store import StoredResponse
 from .state import lockstep
 
@@ -31,13 +33,10 @@ STREAM_HINT = ("streaming is served over the WebSocket: open ws://HOST/v1/respon
 # lockstep's own sampling fields, as on its other endpoints (OpenAI's Responses API has none of them).
 LOCKSTEP_SAMPLING = frozenset({"top_k", "seed", "stop", "ignore_eos", "timeout", "presence_penalty",
                                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
-RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | CACHE_SALT | {
+RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | CACHE_SALT | TOOL_FIELDS | {
     "input", "instructions", "temperature", "top_p", "text", "previous_response_id"}
 NOT_IMPLEMENTED = {
-    "tools": "tools (function calling, built-in tools) are not supported; send no tools or an empty list",
-    "tool_choice": "tool_choice is not supported (only \"none\" or \"auto\"): this server does not call tools",
-    "parallel_tool_calls": "parallel_tool_calls is not supported: this server does not call tools",
-    "max_tool_calls": "max_tool_calls is not supported: this server does not call tools",
+    "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
     "reasoning": "reasoning is not supported by this model",
     "background": "background responses are not supported (answers come in the call, or stream over the "
                   "WebSocket)",
@@ -58,8 +57,7 @@ NOT_IMPLEMENTED = {
     "access_programs": "access_programs are not supported",
     "background_options": "background responses are not supported",
 }
-NOT_USED = {"tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (False, True),
-            "include": ([],), "truncation": ("disabled",), "background": (False,)}
+NOT_USED = {"include": ([],), "truncation": ("disabled",), "background": (False,)}
 RESPONSES = RequestShape("/v1/responses", RESPONSE_FIELDS, aliases={"max_output_tokens": "max_tokens"},
                          is_openai=True, not_implemented=NOT_IMPLEMENTED, not_used=NOT_USED, stream_hint=STREAM_HINT,
                          keeps_responses=True)
@@ -71,6 +69,8 @@ INPUT_PART_TYPES = ("input_text", "output_text")
 # an output_text part as the SDK returns it carries annotations and logprobs: accepted when empty
 INPUT_PARTS = ContentParts("input", INPUT_PART_TYPES, frozenset({"annotations", "logprobs"}))
 ITEM_FIELDS = frozenset({"type", "role", "content", "id", "status", "phase"})
+CALL_ITEM_FIELDS = {"function_call": frozenset({"type", "call_id", "name", "arguments", "id", "status"}),
+                    "function_call_output": frozenset({"type", "call_id", "output", "id", "status"})}
 STATUS_OF = {FinishReason.STOP: "completed", FinishReason.LENGTH: "incomplete", FinishReason.ABORT: "cancelled",
              FinishReason.ERROR: "failed"}
 
@@ -101,6 +101,9 @@ class Turn:
     timeout_s: float | None
     created_at: int
     cache_salt: str | None = None
+    tools: ToolRequest | None = None  # function tools the model may call (engine/tool_calls.py)
+    tool_format: ToolFormat | None = None
+    template_tools: list[dict] | None = None  # what the chat template renders of them
 
 
 # -- routes -------------------------------------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def create_response():
     state = lockstep()
     body = read_json_body(RESPONSES, state.engine.max_model_len)
     turn = parse_turn(body, state.engine, state.responses.get)
-    output = run_one(body, turn.sampling, messages=turn.messages)
+    output = run_one(body, turn.sampling, messages=turn.messages, tools=turn.template_tools)
     response = response_object(turn, output)
     remember(turn, response, [state.responses] if turn.store else [])
     return jsonify(response)
@@ -164,9 +167,35 @@ def parse_turn(body: dict, engine, find_previous: Callable[[str], StoredResponse
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + list(history)
     if generate:
         check_conversation(list(history), "input")
-    return Turn(f"resp_{uuid.uuid4().hex}", messages, history, _sampling(body, engine), _echoed_fields(body),
+        check_call_ids(list(history), "input")
+    tools = _tool_request(body, engine)
+    tool_format = engine.tool_format
+    messages, template_tools = tool_format.prompt(messages, tools)
+    max_output_chars = engine.inputs.max_prompt_chars if engine.inputs else None
+    sampling = constrained_sampling(_sampling(body, engine), tools, tool_format, max_output_chars)
+    return Turn(f"resp_{uuid.uuid4().hex}", messages, history, sampling, _echoed_fields(body, tools),
                 store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()),
-                cache_salt=body.get("cache_salt"))
+                cache_salt=body.get("cache_salt"), tools=tools, tool_format=tool_format,
+                template_tools=template_tools)
+
+
+def _tool_request(body: dict, engine) -> ToolRequest | None:
+    """Responses' function tools ({type, name, description, parameters, strict}) and tool_choice ({type, name}),
+    read as chat's (engine/tool_calls.py); built-in tools (web search, files, ...) are refused."""
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        for index, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise unsupported_field("tools", f"tools[{index}] is a {shown_name(str(kind))!r} tool; only "
+                                                 "function tools are supported")
+        tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}} for tool in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    max_output_chars = engine.inputs.max_prompt_chars if engine.inputs else None
+    return parse_tool_request({"tools": tools, "tool_choice": choice,
+                               "parallel_tool_calls": body.get("parallel_tool_calls")}, max_output_chars)
 
 
 def _store(value) -> bool:
@@ -211,15 +240,24 @@ def input_messages(value, required: bool = True) -> list[dict]:
         raise invalid_value("input", "input must be a string or a non-empty list of message items")
     if len(value) > MAX_MESSAGES:
         raise invalid_value("input", f"at most {MAX_MESSAGES} input items")
-    return [_input_message(item, f"input[{index}]") for index, item in enumerate(value)]
+    messages = []
+    for index, item in enumerate(value):
+        message = _input_message(item, f"input[{index}]")
+        if message.get("tool_calls") and messages and messages[-1].get("tool_calls"):  # parallel calls: one turn
+            messages[-1] = {**messages[-1], "tool_calls": messages[-1]["tool_calls"] + message["tool_calls"]}
+        else:
+            messages.append(message)
+    return messages
 
 
 def _input_message(item, where: str) -> dict:
     if not isinstance(item, dict):
         raise invalid_value("input", f"{where} must be a message item: {{role, content}}")
+    if item.get("type") in CALL_ITEM_FIELDS:
+        return _call_item(item, where)
     if item.get("type", "message") != "message":
-        raise unsupported_field("input", f"{where} is a {shown_name(str(item.get('type')))!r} item; only message "
-                                         "items are supported (no tool calls, reasoning or files)")
+        raise unsupported_field("input", f"{where} is a {shown_name(str(item.get('type')))!r} item; only message, "
+                                         "function_call and function_call_output items are supported")
     if item.get("role") not in ROLES:
         raise invalid_value("input", f"{where}.role must be one of {', '.join(ROLES)}")
     extra = set(item) - ITEM_FIELDS
@@ -227,6 +265,37 @@ def _input_message(item, where: str) -> dict:
         raise unsupported_field("input", f"{where}: unknown item field {shown_name(sorted(extra)[0])!r}")
     content = content_text(item.get("content"), where, INPUT_PARTS)
     return {"role": ROLE_AS.get(item["role"], item["role"]), "content": content}
+
+
+def _call_item(item: dict, where: str) -> dict:
+    """A function_call item (an earlier answer's call) as an assistant's tool call; a function_call_output item
+    as the tool message that answers it."""
+    extra = set(item) - CALL_ITEM_FIELDS[item["type"]]
+    if extra:
+        raise unsupported_field("input", f"{where}: unknown item field {shown_name(sorted(extra)[0])!r}")
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
+        raise invalid_value("input", f"{where}.call_id must be a string of 1 to {MAX_CALL_ID} characters")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise invalid_value("input", f"{where}.output must be a string")
+        check_encodable(output, "input")
+        return {"role": "tool", "content": output, "tool_call_id": call_id}
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not 0 < len(name) <= 64:
+        raise invalid_value("input", f"{where}.name must be a string of 1 to 64 characters")
+    if not isinstance(arguments, str) or not isinstance(_json_object_or_none(arguments), dict):
+        raise invalid_value("input", f"{where}.arguments must be a JSON object as text")
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def _json_object_or_none(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _sampling(body: dict, engine) -> SamplingParams:
@@ -257,11 +326,14 @@ def _response_format(text) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
 
 
-def _echoed_fields(body: dict) -> dict:
+def _echoed_fields(body: dict, tools: ToolRequest | None) -> dict:
     return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_tokens"),
             "metadata": metadata_field(body.get("metadata")), "previous_response_id": body.get("previous_response_id"),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "tool_choice": body.get("tool_choice") or "auto",  # OpenAI's default; no tools, so nothing is called
+            "tool_choice": body.get("tool_choice") or "auto",  # OpenAI's default
+            "tools": [{"type": "function", "name": tool.name, "description": tool.description or None,
+                       "parameters": tool.parameters, "strict": None} for tool in tools.tools] if tools else [],
+            "parallel_tool_calls": tools.is_parallel if tools else body.get("parallel_tool_calls") is not False,
             "user": _user(body.get("user"))}
 
 
@@ -282,13 +354,25 @@ def response_object(turn: Turn, output: RequestOutput | None, item_id: str | Non
         "status": status, "background": False, "error": _error(output),
         "incomplete_details": _incomplete_details(output), "instructions": fields["instructions"],
         "max_output_tokens": fields["max_output_tokens"], "metadata": fields["metadata"],
-        "model": lockstep().model_name, "output": [output_message(output, item_id)] if _has_message(output) else [],
-        "parallel_tool_calls": False, "previous_response_id": fields["previous_response_id"],
+        "model": lockstep().model_name, "output": output_items(turn, output, item_id),
+        "parallel_tool_calls": fields["parallel_tool_calls"], "previous_response_id": fields["previous_response_id"],
         "reasoning": {"effort": None, "summary": None}, "store": turn.store,
         "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": fields["tool_choice"],
-        "tools": [], "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
+        "tools": fields["tools"], "top_p": turn.sampling.top_p, "truncation": "disabled", "usage": usage_object(output),
         "user": fields["user"],
     }
+
+
+def output_items(turn: Turn, output: RequestOutput | None, item_id: str | None = None) -> list[dict]:
+    """The assistant's message item (its text apart from any calls) and a function_call item per call."""
+    if not _has_message(output):
+        return []
+    if turn.tools is None or turn.tool_format is None:
+        return [output_message(output, item_id)]
+    content, calls = turn.tool_format.parse(output.text, turn.tools)
+    items = [output_message(output, item_id, content)] if content or not calls else []
+    return items + [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": _item_status(output),
+                     "call_id": call.id, "name": call.name, "arguments": call.arguments} for call in calls]
 
 
 def in_progress_object(turn: Turn) -> dict:
@@ -353,8 +437,14 @@ def _error(output: RequestOutput | None) -> dict | None:
 def remember(turn: Turn, response: dict, stores: list, completes: list = ()) -> None:
     """Keep the response (and the conversation it ends) where a next turn or a GET will look for it:
     `completes` hold it in progress since it started (see ResponseStore.complete)."""
-    text = "".join(part["text"] for item in response["output"] for part in item["content"])
-    history = turn.history + (({"role": "assistant", "content": text},) if response["output"] else ())
+    text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in response["output"] if item["type"] == "function_call"]
+    answer = {"role": "assistant", "content": text or None, "tool_calls": calls} if calls else \
+        {"role": "assistant", "content": text}
+    history = turn.history + ((answer,) if response["output"] else ())
     stored = StoredResponse.of(response, history)
     for store in stores:
         if not store.put(stored):

@@ -127,6 +127,9 @@ class ResponsesSession(SocketSession):
         body = checked_fields({k: v for k, v in message.items() if k not in WS_ONLY_FIELDS}, RESPONSES,
                               self.engine.max_model_len)
         turn = parse_turn(body, self.engine, self._find_previous, generate=generate)
+        if turn.tools is not None and turn.tools.offered:  # streamed text would carry the calls' markup
+            raise unsupported_field("tools", "function tools are served by POST /v1/responses (and chat "
+                                             "completions) for now, not over the socket")
         running = Running(turn, lane)
         if not generate:
             self._prepare(running)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gguf_file import read_gguf
+from engine.gguf_file import add_metadata, read_gguf
 from engine.model_store import find_gguf
 
 from .peers import LLAMA_SRC
@@ -53,7 +53,7 @@ def write_float16(path: Path, shape: str, seed: int = 0) -> None:
     writer.add_file_type(1)  # mostly F16
     for key, value in embedded.metadata.items():
         if key.startswith("tokenizer."):
-            _add_field(writer, key, value)
+            add_metadata(writer, key, value)
 
     def matrix(rows: int, columns: int) -> np.ndarray:
         return (rng.standard_normal((rows, columns), dtype=np.float32) * 0.02).astype(np.float16)
@@ -79,17 +79,6 @@ def write_float16(path: Path, shape: str, seed: int = 0) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def _add_field(writer, key: str, value) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    else:
-        writer.add_array(key, [item.item() if hasattr(item, "item") else item for item in value])
 
 
 def main() -> None:

@@ -30,7 +30,8 @@ class EngineConfig:
     backend: str = "hf"
     dtype: str = "auto"
     # hf on CPU: `q4` computes a GGUF file's model (the embedded one's among them) on its own blocks, repacked as
-    # Q4_1 or Q8_0, with lockstep's 4-bit kernels (engine/backends/q4.py), activations rounded to 8 bits per 32 as llama.cpp's;
+    # Q4_1 or Q8_0, with lockstep's 4-bit kernels (engine/backends/q4.py), activations rounded to 8 bits per 32 as
+    # llama.cpp's;
     # `exact`, the same kernels on float32 activations (the blocks' own numbers), or for a model without blocks
     # (or a dtype other than float32) the model's own forward in `dtype`; `auto`: q4 where the model has blocks.
     weights: str = "auto"

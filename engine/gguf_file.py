@@ -301,3 +301,18 @@ def check_architecture(gguf: GGUFFile) -> Hyperparameters:
             raise InvalidGGUF(f"{gguf.path}: tensor {name} has the shape {list(tensor.shape)}, "
                               f"{hp.architecture} with these hyperparameters reads {list(shape)}")
     return hp
+
+
+def add_metadata(writer, key: str, value) -> None:
+    """One metadata field, as read here, into gguf-py's GGUFWriter (files made for tests and benchmarks: a tokenizer
+    copied from another file, say). Integers are written as uint32, floats as float32."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_array(key, [item.item() if hasattr(item, "item") else item for item in value])

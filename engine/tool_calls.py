@@ -192,7 +192,7 @@ class ToolFormat:
         tail = f'"{_lark_escape(self.closing)}"'
         if tools.is_forced:
             block = f'"{_lark_escape(self.opening)}" call_json {tail}'
-            start = f'start: block ("\\n" block)*' if several else "start: block"
+            start = 'start: block ("\\n" block)*' if several else "start: block"
             return f"%llguidance {{}}\n{start}\nblock: {block}\n{call}\n"
         opening = _lark_escape(self.opening)
         if several:

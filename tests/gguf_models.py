@@ -87,7 +87,7 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.gguf_file import read_gguf
+    from engine.gguf_file import add_metadata, read_gguf
     from engine.model_store import find_gguf
 
     rng = np.random.default_rng(seed)
@@ -100,7 +100,7 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
     fields = tokenizer_fields(read_gguf(str(find_gguf())))
     fields["tokenizer.ggml.add_bos_token"] = family in add_bos_to
     for key, value in fields.items():
-        _add_field(writer, key, value)
+        add_metadata(writer, key, value)
     heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
     type_index = 0
     state = model.state_dict()
@@ -155,16 +155,3 @@ def _write_hyperparameters(writer, config, family: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if family == "gemma3":
         writer.add_sliding_window(config.sliding_window)
-
-
-def _add_field(writer, key: str, value) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    else:
-        writer.add_array(key, [item.item() if hasattr(item, "item") else item for item in value])

@@ -112,7 +112,7 @@ def test_text_format_json_schema_is_constrained(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "name": "f", "parameters": {}}]), ("reasoning", {"effort": "low"}),
+    ("tools", [{"type": "web_search"}]), ("max_tool_calls", 2), ("reasoning", {"effort": "low"}),
     ("background", True), ("include", ["reasoning.encrypted_content"]), ("truncation", "auto"),
     ("top_logprobs", 2), ("conversation", "conv_1"), ("prompt", {"id": "p"}), ("max_tokens", 4), ("n", 2),
     ("response_format", {"type": "json_object"}), ("service_tier", "flex"),
@@ -145,7 +145,8 @@ def test_stream_over_http_points_to_the_websocket(client):
     ({"input": "   "}, "invalid_value", "input"),
     ({"input": "\ud800"}, "invalid_value", "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "unsupported_field", "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "invalid_value", "input"),  # no c
+    ({"input": [{"type": "reasoning", "summary": []}]}, "unsupported_field", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "unsupported_field",
      "input"),
     ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "unsupported_field", "input"),

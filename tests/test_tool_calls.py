@@ -209,3 +209,41 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_keeps_serving(s
     assert status == 400 and body["error"]["param"] == param
     status, _, body = http("POST", server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 3})
     assert status == 200 and body["choices"][0]["message"]["content"]
+
+
+# -- the Responses API (REST) -------------------------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_sdk_responses_calls_are_function_call_items_and_their_outputs_continue_the_turn(server):
+    client = sdk(server)
+    made = client.responses.create(model="smollm2", input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                                   tool_choice={"type": "function", "name": "get_weather"},
+                                   parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    calls = [item for item in made.output if item.type == "function_call"]
+    assert made.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMETERS)
+    assert made.tool_choice.name == "get_weather" and [tool.name for tool in made.tools] == ["get_weather",
+                                                                                            "get_time"]
+    follow_up = client.responses.create(
+        model="smollm2", previous_response_id=made.id, tools=RESPONSES_TOOLS, max_output_tokens=20, temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 24 C"}])
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output
+    # the same round trip without the store: the call item sent back with its output
+    again = client.responses.create(
+        model="smollm2", tools=RESPONSES_TOOLS, max_output_tokens=5, temperature=0, store=False,
+        input=[ASK[0], {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                        "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 24 C"}])
+    assert again.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"type": "function_call_output", "call_id": "call_nobody", "output": "x"}]}, "input"),
+    ({"input": "Hi", "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "fly"}}, "tool_choice"),
+    ({"input": "Hi", "tools": [{"type": "file_search"}]}, "tools"),
+])
+def test_bad_responses_tool_input_is_a_400_naming_the_field(server, body, param):
+    status, _, answer = http("POST", server.url + "/v1/responses", {"max_output_tokens": 3, **body})
+    assert status == 400 and answer["error"]["param"] == param

@@ -350,8 +350,9 @@ class Q4Layer:
 
 class Q4Weights:
     """A model's blocks from its GGUF, as the kernels read them (block_repack.py: Q4_1 or Q8_0): per layer the
-    fused q/k/v, output, fused gate/up and down (with Qwen2's biases, Qwen3's and Gemma 3's q/k norms), the lm_head (the tied token embedding where there is
-    no output.weight); `embedding`, an untied model's token embedding dequantized (None where tied)."""
+    fused q/k/v, output, fused gate/up and down (with Qwen2's biases, Qwen3's and Gemma 3's q/k norms), the
+    lm_head (the tied token embedding where there is no output.weight); `embedding`, an untied model's token
+    embedding dequantized (None where tied)."""
 
     def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor],
                  embedding: torch.Tensor | None = None):
