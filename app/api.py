@@ -17,7 +17,8 @@ from engine.tool_calls import constrained_sampling, parse_tool_request
 from .answer_shaping import chat_choices, completion_choices, sample_choices
 from .errors import ApiError, from_failed_output
 from .request_parsing import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts,
-                              messages_field, prompt_field, prompts_field, read_json_body, sampling_fields)
+                              max_output_chars, messages_field, prompt_field, prompts_field, read_json_body,
+                              sampling_fields)
 from .state import lockstep
 
 logger = logging.getLogger(__name__)
@@ -71,17 +72,13 @@ def completions():
 def chat_completions():
     engine = lockstep().engine
     body = read_json_body(CHAT, engine.max_model_len)
-    tools = parse_tool_request(body, _max_output_chars(engine))
+    tools = parse_tool_request(body, max_output_chars(engine))
     tool_format = engine.tool_format
     messages, template_tools = tool_format.prompt(messages_field(body, with_tools=True), tools)
-    sampling = constrained_sampling(sampling_fields(body, engine), tools, tool_format, _max_output_chars(engine))
+    sampling = constrained_sampling(sampling_fields(body, engine), tools, tool_format, max_output_chars(engine))
     output = run_one(messages=messages, body=body, sampling=sampling, tools=template_tools)
     choices = chat_choices(output, sampling, engine.token_texts, tools, tool_format)
     return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
-
-
-def _max_output_chars(engine) -> int | None:
-    return engine.inputs.max_prompt_chars if engine.inputs else None
 
 
 @bp.get("/v1/models")

@@ -252,7 +252,8 @@ def _schemas(state: AppState) -> dict:
             "index": _COUNT, "text": _STRING, "finish_reason": _FINISH,
             "logprobs": _nullable(_ref("CompletionLogprobs"))})),
         "ChatCompletion": _openai_envelope("chat.completion", _object({
-            "index": _COUNT, "finish_reason": {"type": "string", "enum": [*FINISH_REASONS, "tool_calls"]}, "logprobs": _nullable(_ref("ChatLogprobs")),
+            "index": _COUNT, "finish_reason": {"type": "string", "enum": [*FINISH_REASONS, "tool_calls"]},
+            "logprobs": _nullable(_ref("ChatLogprobs")),
             "message": _with_optional(_object({"role": {"const": "assistant"}, "content": _nullable(_STRING)}),
                                       tool_calls=_array(_tool_call()))})),
         "ChatLogprobs": _object({"content": _array(_object({
@@ -283,13 +284,12 @@ def _responses_schemas(sampling: dict) -> dict:
                            "content": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": part}]},
                            "id": {}, "status": {}, "phase": {}},
             "description": "A message item: developer is read as system, parts are joined by newlines"}
-    call_id = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
     call_item = {"type": "object", "additionalProperties": False, "required": ["type", "call_id", "name", "arguments"],
-                 "properties": {"type": {"const": "function_call"}, "call_id": call_id, "name": _STRING,
+                 "properties": {"type": {"const": "function_call"}, "call_id": _CALL_ID, "name": _STRING,
                                 "arguments": {"type": "string", "description": "a JSON object as text"},
                                 "id": {}, "status": {}}, "description": "An earlier answer's call"}
     output_item = {"type": "object", "additionalProperties": False, "required": ["type", "call_id", "output"],
-                   "properties": {"type": {"const": "function_call_output"}, "call_id": call_id, "output": _STRING,
+                   "properties": {"type": {"const": "function_call_output"}, "call_id": _CALL_ID, "output": _STRING,
                                   "id": {}, "status": {}},
                    "description": "A call's result: call_id names an earlier call"}
     message = _object({"id": _STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
@@ -349,6 +349,7 @@ _STRING = {"type": "string"}
 _TEXT = {"type": "string", "minLength": 1, "pattern": r"\S", "description": "Non-empty text"}
 _NUMBER = {"type": "number"}
 _COUNT = {"type": "integer", "minimum": 0}
+_CALL_ID = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
 _FINISH = {"type": "string", "enum": FINISH_REASONS}
 
 
@@ -446,14 +447,13 @@ def _tool_call() -> dict:
 def _tool_messages() -> list[dict]:
     """An assistant's calls (content null or text) and a tool's result, answering a call by its id."""
     content = _message()["properties"]["content"]
-    call_id = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
     calls = {"type": "object", "additionalProperties": False, "required": ["role", "tool_calls"], "properties": {
         "role": {"const": "assistant"}, "content": _nullable(content), "name": _STRING,
         "tool_calls": {"type": "array", "minItems": 1, "items": {**_tool_call(), "properties": {
-            **_tool_call()["properties"], "id": call_id}}},
+            **_tool_call()["properties"], "id": _CALL_ID}}},
         **{name: {"type": "null"} for name in ("refusal", "audio", "function_call", "annotations")}}}
     result = {"type": "object", "additionalProperties": False, "required": ["role", "content", "tool_call_id"],
-              "properties": {"role": {"const": "tool"}, "content": content, "tool_call_id": call_id,
+              "properties": {"role": {"const": "tool"}, "content": content, "tool_call_id": _CALL_ID,
                              "name": _STRING}, "description": "tool_call_id names an earlier call"}
     return [calls, result]
 

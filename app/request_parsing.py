@@ -366,10 +366,7 @@ def _tool_message(message: dict, index: int) -> dict:
     if unread is not None:
         raise unsupported_field("messages", f"{where}.{unread} is not read; send it null")
     if message["role"] == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
-            raise invalid_value("messages", f"{where}.tool_call_id must be the id of the call it answers (a "
-                                            f"string of 1 to {MAX_CALL_ID} characters)")
+        call_id = checked_call_id(message.get("tool_call_id"), f"{where}.tool_call_id", "messages")
         return {"role": "tool", "content": _content_text(message, where), "tool_call_id": call_id}
     content = message.get("content")
     return {"role": "assistant", "content": None if content is None else _content_text(message, where),
@@ -381,14 +378,26 @@ def _call(call, where: str) -> dict:
     if not isinstance(function, dict) or call.get("type") != "function":
         raise invalid_value("messages", f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
                                         "{\"name\", \"arguments\"}}")
-    call_id, name, arguments = call.get("id"), function.get("name"), function.get("arguments")
-    if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
-        raise invalid_value("messages", f"{where}.id must be a string of 1 to {MAX_CALL_ID} characters")
-    if not isinstance(name, str) or not 0 < len(name) <= 64:
-        raise invalid_value("messages", f"{where}.function.name must be a string of 1 to 64 characters")
-    if not isinstance(arguments, str) or not isinstance(_json_or_none(arguments), dict):
-        raise invalid_value("messages", f"{where}.function.arguments must be a JSON object as text")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return checked_call((call.get("id"), f"{where}.id"), (function.get("name"), f"{where}.function.name"),
+                        (function.get("arguments"), f"{where}.function.arguments"), "messages")
+
+
+def checked_call(call_id: tuple, name: tuple, arguments: tuple, param: str) -> dict:
+    """An earlier tool call sent back (chat's tool_calls, Responses' function_call items), each part given as
+    (value, where it was) so that a refusal names it: as engine/tool_calls.py renders calls."""
+    (name_value, name_at), (arguments_value, arguments_at) = name, arguments
+    if not isinstance(name_value, str) or not 0 < len(name_value) <= 64:
+        raise invalid_value(param, f"{name_at} must be a string of 1 to 64 characters")
+    if not isinstance(arguments_value, str) or not isinstance(_json_or_none(arguments_value), dict):
+        raise invalid_value(param, f"{arguments_at} must be a JSON object as text")
+    return {"id": checked_call_id(*call_id, param), "type": "function",
+            "function": {"name": name_value, "arguments": arguments_value}}
+
+
+def checked_call_id(value, where: str, param: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CALL_ID:
+        raise invalid_value(param, f"{where} must be a call's id: a string of 1 to {MAX_CALL_ID} characters")
+    return value
 
 
 def _json_or_none(text: str):
@@ -471,10 +480,13 @@ def _text_part(part, where: str, parts: ContentParts) -> str:
 
 # -- sampling -------------------------------------------------------------------------------------------------
 
+def max_output_chars(engine) -> int | None:
+    """The most characters an answer can hold (it bounds schemas' counts); None before the engine starts."""
+    return engine.inputs.max_prompt_chars if engine.inputs else None
+
+
 def sampling_fields(body: dict, engine, default_max_tokens: int | None = None) -> SamplingParams:
-    inputs = engine.inputs  # None before the engine starts
-    params = SamplingParams.from_request(body, engine.config.max_stop_strings,
-                                         inputs.max_prompt_chars if inputs else None)
+    params = SamplingParams.from_request(body, engine.config.max_stop_strings, max_output_chars(engine))
     if params.max_tokens is None and default_max_tokens is not None:
         params = dataclasses.replace(params, max_tokens=default_max_tokens)
     return params

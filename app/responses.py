@@ -4,7 +4,6 @@ A request becomes a `Turn`: the messages the chat template gets (instructions, t
 input items), the sampling, and the fields the answer repeats. An engine output becomes OpenAI's response
 object. app/responses_ws.py streams the same turns over the WebSocket (OpenAI's "WebSocket mode").
 """
-import json
 import logging
 import time
 import uuid
@@ -18,9 +17,10 @@ from engine.tool_calls import ToolFormat, ToolRequest, constrained_sampling, par
 
 from .api import run_one
 from .errors import FAILED_OUTPUT_MESSAGE, ApiError, invalid_value, missing_field, unsupported_field
-from .request_parsing import (CACHE_SALT, MAX_CALL_ID, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, TOOL_FIELDS,
-                              ContentParts, RequestShape, check_call_ids, check_conversation, content_text,
-                              metadata_field, read_json_body, sampling_fields, shown_name)
+from .request_parsing import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, TOOL_FIELDS, ContentParts,
+                              RequestShape, check_call_ids, check_conversation, checked_call, checked_call_id,
+                              content_text, max_output_chars, metadata_field, read_json_body, sampling_fields,
+                              shown_name)
 from .response_store import StoredResponse
 from .state import lockstep
 
@@ -171,8 +171,7 @@ def parse_turn(body: dict, engine, find_previous: Callable[[str], StoredResponse
     tools = _tool_request(body, engine)
     tool_format = engine.tool_format
     messages, template_tools = tool_format.prompt(messages, tools)
-    max_output_chars = engine.inputs.max_prompt_chars if engine.inputs else None
-    sampling = constrained_sampling(_sampling(body, engine), tools, tool_format, max_output_chars)
+    sampling = constrained_sampling(_sampling(body, engine), tools, tool_format, max_output_chars(engine))
     return Turn(f"resp_{uuid.uuid4().hex}", messages, history, sampling, _echoed_fields(body, tools),
                 store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()),
                 cache_salt=body.get("cache_salt"), tools=tools, tool_format=tool_format,
@@ -193,9 +192,8 @@ def _tool_request(body: dict, engine) -> ToolRequest | None:
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    max_output_chars = engine.inputs.max_prompt_chars if engine.inputs else None
     return parse_tool_request({"tools": tools, "tool_choice": choice,
-                               "parallel_tool_calls": body.get("parallel_tool_calls")}, max_output_chars)
+                               "parallel_tool_calls": body.get("parallel_tool_calls")}, max_output_chars(engine))
 
 
 def _store(value) -> bool:
@@ -273,29 +271,16 @@ def _call_item(item: dict, where: str) -> dict:
     extra = set(item) - CALL_ITEM_FIELDS[item["type"]]
     if extra:
         raise unsupported_field("input", f"{where}: unknown item field {shown_name(sorted(extra)[0])!r}")
-    call_id = item.get("call_id")
-    if not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_CALL_ID:
-        raise invalid_value("input", f"{where}.call_id must be a string of 1 to {MAX_CALL_ID} characters")
     if item["type"] == "function_call_output":
         output = item.get("output")
         if not isinstance(output, str):
             raise invalid_value("input", f"{where}.output must be a string")
         check_encodable(output, "input")
-        return {"role": "tool", "content": output, "tool_call_id": call_id}
-    name, arguments = item.get("name"), item.get("arguments")
-    if not isinstance(name, str) or not 0 < len(name) <= 64:
-        raise invalid_value("input", f"{where}.name must be a string of 1 to 64 characters")
-    if not isinstance(arguments, str) or not isinstance(_json_object_or_none(arguments), dict):
-        raise invalid_value("input", f"{where}.arguments must be a JSON object as text")
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
-
-
-def _json_object_or_none(text: str):
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
+        return {"role": "tool", "content": output,
+                "tool_call_id": checked_call_id(item.get("call_id"), f"{where}.call_id", "input")}
+    call = checked_call((item.get("call_id"), f"{where}.call_id"), (item.get("name"), f"{where}.name"),
+                        (item.get("arguments"), f"{where}.arguments"), "input")
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 def _sampling(body: dict, engine) -> SamplingParams:

@@ -37,14 +37,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .bf16 import PROBE_ROWS, Bf16Kernels, DecoderStack, LayerWeights
 from .kv_cache import RowKVCache, SlotKVCache, one_query_attention
-from .q4 import PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables
+from .q4 import ACTIVATIONS, PromptCache, Q4Kernels, Q4Stack, Q4Weights, SlotTables, activation_of
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}  # pre-norm, RMSNorm, rotary, SwiGLU, no biases: LlamaDecoderLayer
 # q4_kernels.c adds q/k/v biases and q/k norms, and Gemma 3's GeGLU, output norms, windows and local rotary
 Q4_MODEL_TYPES = SUPPORTED_MODEL_TYPES | {"qwen2", "qwen3", "gemma3_text"}
-Q4_ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 PACK_BATCH_HINT = 16  # oneDNN picks the blocked layout for about this many rows (1..64 measured alike)
 # Up to this many rows (a decode step's) a fused weight's matmul is used where it was probed to give its parts'
 # numbers; prompt chunks compute each part apart: on AMX, oneDNN blocks a 960-column bfloat16 matmul of ~200+
@@ -210,8 +209,8 @@ class FastDecoder:
         config = model.config
         decoder = getattr(model, "model", None)
         model_types = Q4_MODEL_TYPES if on_4_bit_kernels else SUPPORTED_MODEL_TYPES
-        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        return (config.model_type in model_types and activation in (Q4_ACTIVATIONS if on_4_bit_kernels else {"silu"})
+        activations = ACTIVATIONS if on_4_bit_kernels else {"silu"}
+        return (config.model_type in model_types and activation_of(config) in activations
                 and getattr(config, "attn_logit_softcapping", None) is None
                 and getattr(config, "final_logit_softcapping", None) is None
                 and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)

@@ -44,6 +44,11 @@ PROBE_ROWS = 19
 # what lockstep_q4_forward computes (norms, biases: Q4Layer; Gemma 3's GeGLU, windows and local rotary: Q4Stack)
 KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # q4_kernels.c's ACTIVATION_*
+
+
+def activation_of(config) -> str | None:
+    """The MLP's activation, under either of transformers' names for it (Gemma's `hidden_activation`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
 # Keys are kept in blocks of this many positions, positions in lanes (q4_kernels.c's KEY_BLOCK): a cache's capacity
 # is a multiple of it, and a copy of a cache's first positions copies whole blocks (key_positions reads them back).
 KEY_BLOCK = 16
@@ -561,9 +566,8 @@ class Q4Stack:
         self.hidden = config.hidden_size
         self.intermediate = weights.layers[0].gate_up.out_features // 2
         self.vocabulary = weights.lm_head.out_features
-        self.scaling = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
-        self.scaling = self.scaling ** -0.5
-        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        self.scaling = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        activation = activation_of(config)
         if activation not in ACTIVATIONS:
             raise ValueError(f"the 4-bit decode step cannot run this model: its activation is {activation}")
         self.activation = ACTIVATIONS[activation]
