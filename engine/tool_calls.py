@@ -20,8 +20,8 @@ import secrets
 from dataclasses import dataclass
 
 from .errors import InvalidRequest
-from .response_format import (DEFAULT_MAX_OUTPUT_CHARS, GRAMMAR_OPTIONS, SchemaSite, check_lark_compiles,
-                              checked_schema)
+from .response_format import (DEFAULT_MAX_OUTPUT_CHARS, GRAMMAR_OPTIONS, LITERAL_KEYWORDS, SchemaSite,
+                              check_lark_compiles, checked_schema)
 
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
 MAX_DESCRIPTION_CHARS = 8192
@@ -204,10 +204,18 @@ class ToolFormat:
                 f'REST: /(?s:.*)/ & ~/(?s:.*){re.escape(self.opening.strip())}(?s:.*)/\n{call}\n')
 
     def _call_schema(self, offered: tuple[FunctionTool, ...]) -> dict:
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
-                  "properties": {"name": {"const": tool.name}, self.arguments_key: tool.parameters}}
-                 for tool in offered]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        """One schema for every offered call; each tool's local `$ref`s (pydantic's `#/$defs/...`) pointed at
+        where its parameters now lie."""
+        def call(tool: FunctionTool, at: str) -> dict:
+            location = f"{at}/properties/{self.arguments_key}"
+            return {"type": "object", "additionalProperties": False, "required": ["name", self.arguments_key],
+                    "properties": {"name": {"const": tool.name},
+                                   self.arguments_key: _relocated(tool.parameters, location)}}
+
+        if len(offered) == 1:
+            schema = call(offered[0], "")
+        else:
+            schema = {"anyOf": [call(tool, f"/anyOf/{index}") for index, tool in enumerate(offered)]}
         return {**schema, "x-guidance": GRAMMAR_OPTIONS}
 
     def parse(self, text: str, tools: ToolRequest) -> tuple[str | None, list[ToolCall]]:
@@ -304,6 +312,23 @@ def tool_format_for(chat_template: str | None) -> ToolFormat:
     if "tools" in template and ("<|python_tag|>" in template or "ipython" in template):
         return LLAMA3_JSON
     return GENERIC
+
+
+def _relocated(schema: dict, location: str) -> dict:
+    """A copy of `schema` whose local references ("#", "#/$defs/x") point into it at `location` (a JSON pointer
+    of where it sits in a larger schema). JSON values (const, enum, default, examples) are left as they are."""
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        moved = {key: value if key in LITERAL_KEYWORDS else walk(value) for key, value in node.items()}
+        reference = node.get("$ref")
+        if isinstance(reference, str) and reference.startswith("#"):
+            moved["$ref"] = "#" + location + reference[1:]
+        return moved
+
+    return walk(schema)  # bounded: the schema passed checked_schema's depth and size
 
 
 def _with_argument_objects(message: dict) -> dict:

@@ -91,6 +91,20 @@ def test_forced_calls_admit_only_valid_calls_and_auto_admits_text_too(tool_forma
     assert tool_format.grammar(tool_request(tool_choice="none")) is None
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_schema_with_its_own_definitions_is_held_to_them(count):
+    """pydantic writes nested models as `$defs` and `#/$defs/...` references (the openai SDK's and openai-agents'
+    function tools): inside the call's schema they must still resolve, alone or beside other tools."""
+    person = {"$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"], "additionalProperties": False}},
+              "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": person}} for i in range(count)]
+    grammar = GENERIC.grammar(parse_tool_request({"tools": tools, "tool_choice": "required"}))
+    assert accepts(grammar, GENERIC.call_text("f0", {"home": {"city": "Paris"}}))
+    assert not accepts(grammar, GENERIC.call_text("f0", {"home": {"town": "Paris"}}))
+
+
 def test_parallel_calls_are_one_call_when_the_request_says_so():
     weather = GENERIC.call_text("get_weather", {"city": "Paris", "days": 3})
     two = weather + "\n" + GENERIC.call_text("get_time", {})
