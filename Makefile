@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server \
+.PHONY: gpu-bundle gpu-check serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server \
 	llama-server-avx2 screenshots clean
 
 serve: setup model
@@ -16,7 +16,7 @@ serve: setup model
 # The suite on every core up to 4 (pytest-xdist, a module per worker; tests/conftest.py orders the modules).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 PYTEST_PARALLEL := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
-test: setup model chromium nginx vllm
+test: setup model chromium nginx vllm gpu-bundle
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-avx2-path
 
@@ -47,6 +47,20 @@ test-arm64-path: setup model
 	else tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/test_q4_kernels.py && \
 		ARM64_CPU=cortex-a72 tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/test_q4_kernels.py \
 			-k "$(ARMV8_0_TESTS)"; fi
+
+# The GPU check (bench/gpu_check.py): `make gpu-bundle` here (where pip can download) puts the wheels an air-gapped
+# CUDA host lacks and the embedded model's shape in .cache/gpu-bundle (about 40 MiB: it travels with the tree);
+# `make gpu-check OUT=folder` there installs it into a venv beside the host's torch, runs the CUDA tests, serves on
+# the GPU and writes the table to OUT. Without a GPU it says so in one line and exits 0. It needs no `setup`.
+GPU_BUNDLE_STAMP := .cache/gpu-bundle/requirements.txt
+gpu-bundle: $(GPU_BUNDLE_STAMP)
+
+$(GPU_BUNDLE_STAMP): $(STAMP) $(MODEL) bench/gpu_bundle.py
+	$(PY) -m bench.gpu_bundle
+
+OUT ?= gpu-check-results
+gpu-check:
+	@$(PYTHON) -m bench.gpu_check --out $(OUT)
 
 setup: $(STAMP)
 

@@ -44,15 +44,16 @@ def build_tiny_model(target: str, architecture: str, tokenizer_dir: str) -> str:
 
 
 def recompute_greedy(model_dir: str, prompts: list[list[int]], num_tokens: int, dtype: str = "float32",
-                     weights: str = "exact"):
+                     weights: str = "exact", device: str = "cpu"):
     """The original design's decoding: no KV cache, the whole sequence re-run for every token (with weights="q4":
     on the embedded model's 4-bit blocks and lockstep's kernels, a fresh prompt cache each time)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    next_logits = (lambda ids: model(torch.tensor([ids]), use_cache=False).logits[0, -1]) if weights == "exact" \
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    next_logits = (lambda ids: model(torch.tensor([ids], device=device), use_cache=False).logits[0, -1]) \
+        if weights == "exact" \
         else _q4_recompute(model, model_dir)
     outputs = []
     with torch.inference_mode():
