@@ -13,27 +13,62 @@ from collections.abc import Iterable
 
 from engine import RequestOutput, SamplingParams
 from engine import TokenLogprob, TokenTexts
-from engine.tool_calls import ToolFormat, ToolRequest
+from engine.answer_stream import (AnswerShape, ArgumentsDelta, CallStart, ContentDelta, Part, ReasoningDelta,
+                                  SplitAnswer)
+from engine.tool_calls import ToolCall
 
 
 def chat_choices(output: RequestOutput, sampling: SamplingParams, texts: TokenTexts,
-                 tools: ToolRequest | None = None, tool_format: ToolFormat | None = None) -> list[dict]:
-    return [{"index": choice.index, **_chat_answer(choice.text, choice.finish_reason.value, tools, tool_format),
+                 shape: AnswerShape | None = None) -> list[dict]:
+    return [{"index": choice.index, **_chat_answer(choice.text, choice.finish_reason.value, shape),
              "logprobs": chat_logprobs(choice.logprobs, texts) if sampling.logprobs is not None else None}
             for choice in output.choices]
 
 
-def _chat_answer(text: str, finish_reason: str, tools: ToolRequest | None, tool_format: ToolFormat | None) -> dict:
-    """The message and finish reason: the calls taken out of the text when tools were offered."""
-    if tools is None or tool_format is None:
+def _chat_answer(text: str, finish_reason: str, shape: AnswerShape | None) -> dict:
+    """The message and finish reason: the reasoning and the calls taken out of the text where there are any."""
+    if shape is None or shape.is_plain:
         return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    content, calls = tool_format.parse(text, tools)
-    message = {"role": "assistant", "content": content}
+    answer = shape.split(text)
+    message = {"role": "assistant", "content": answer.content, **reasoning_fields(answer)}
+    if answer.calls:
+        message["tool_calls"] = [call_object(call) for call in answer.calls]
+    return {"message": message, "finish_reason": calls_finish_reason(finish_reason, answer)}
+
+
+def reasoning_fields(answer: SplitAnswer) -> dict:
+    """The reasoning under both names clients read: `reasoning_content` (DeepSeek's, vLLM's) and `reasoning`."""
+    return {} if answer.reasoning is None else {"reasoning_content": answer.reasoning, "reasoning": answer.reasoning}
+
+
+def call_object(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def streamed_parts(parts: list[Part]) -> dict:
+    """A /ws delta frame's fields for what the splitter told apart: `text` (the answer's), `reasoning`, and
+    `tool_calls` as OpenAI's streamed chunks carry them (the first of a call with its id and name, then pieces of
+    its arguments)."""
+    fields = {"text": "".join(part.text for part in parts if isinstance(part, ContentDelta))}
+    reasoning = "".join(part.text for part in parts if isinstance(part, ReasoningDelta))
+    if reasoning:
+        fields["reasoning"] = reasoning
+    calls = []
+    for part in parts:
+        match part:
+            case CallStart(index, call_id, name):
+                calls.append({"index": index, "id": call_id, "type": "function",
+                              "function": {"name": name, "arguments": ""}})
+            case ArgumentsDelta(index, text):
+                calls.append({"index": index, "function": {"arguments": text}})
     if calls:
-        message["tool_calls"] = [{"id": call.id, "type": "function",
-                                  "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
-        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    return {"message": message, "finish_reason": finish_reason}
+        fields["tool_calls"] = calls
+    return fields
+
+
+def calls_finish_reason(finish_reason: str, answer: SplitAnswer) -> str:
+    """An answer that ended with its calls finished for them ("tool_calls"), as OpenAI says."""
+    return "tool_calls" if answer.calls and finish_reason == "stop" else finish_reason
 
 
 def completion_choices(outputs: list[RequestOutput], prompts: list, sampling: SamplingParams,

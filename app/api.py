@@ -12,13 +12,12 @@ import uuid
 from flask import Blueprint, g, jsonify, request
 
 from engine import FinishReason, RequestHandle, RequestOutput, SamplingParams, Usage, WorkerFailed
-from engine.tool_calls import constrained_sampling, parse_tool_request
 
 from .answer_shaping import chat_choices, completion_choices, sample_choices
+from .chat_request import chat_request
 from .errors import ApiError, from_failed_output
 from .request_parsing import (BASIC_GENERATE, CHAT, COMPLETIONS, GENERATE, TOKENIZE, completion_prompts,
-                              max_output_chars, messages_field, prompt_field, prompts_field, read_json_body,
-                              sampling_fields)
+                              messages_field, prompt_field, prompts_field, read_json_body, sampling_fields)
 from .state import lockstep
 
 logger = logging.getLogger(__name__)
@@ -72,12 +71,10 @@ def completions():
 def chat_completions():
     engine = lockstep().engine
     body = read_json_body(CHAT, engine.max_model_len)
-    tools = parse_tool_request(body, max_output_chars(engine))
-    tool_format = engine.tool_format
-    messages, template_tools = tool_format.prompt(messages_field(body, with_tools=True), tools)
-    sampling = constrained_sampling(sampling_fields(body, engine), tools, tool_format, max_output_chars(engine))
-    output = run_one(messages=messages, body=body, sampling=sampling, tools=template_tools)
-    choices = chat_choices(output, sampling, engine.token_texts, tools, tool_format)
+    chat = chat_request(body, engine)
+    output = run_one(messages=chat.messages, body=body, sampling=chat.sampling, tools=chat.template_tools,
+                     thinking=chat.thinking)
+    choices = chat_choices(output, chat.sampling, engine.token_texts, chat.shape)
     return jsonify(_openai_envelope("chatcmpl", "chat.completion", choices, [output]))
 
 
@@ -108,10 +105,12 @@ def tokenize():
 
 
 def run_one(body: dict, sampling: SamplingParams, prompt: str | None = None,
-            messages: list | None = None, tools: list[dict] | None = None) -> RequestOutput:
+            messages: list | None = None, tools: list[dict] | None = None,
+            thinking: bool | None = None) -> RequestOutput:
     engine = lockstep().engine
     handle = engine.submit(prompt, sampling, messages=messages, client_id=client_address(),
-                           timeout_s=body.get("timeout"), cache_salt=body.get("cache_salt"), tools=tools)
+                           timeout_s=body.get("timeout"), cache_salt=body.get("cache_salt"), tools=tools,
+                           thinking=thinking)
     return _checked(_wait_while_connected([handle]))[0]
 
 

@@ -116,10 +116,13 @@ def _upgrade_responses() -> dict:
 
 _WS_DESCRIPTION = (
     "WebSocket upgrade. Frames are JSON text with a `type`. Client: `{type: generate, id, prompt | messages, "
-    "...sampling fields}` (the fields of /basic_generate), `{type: cancel, id}`, `{type: auth, api_key}` (first "
-    "frame, when the server has a key and the handshake had none). Server: `start`, `delta {id, text}` (with "
-    "`index` and `logprobs` for n > 1 or logprobs), `done {id, finish_reason, usage, timing}`, `error {id, code, message, param}` (the socket stays usable). A request without "
-    "an upgrade is 400 `invalid_handshake`; more sockets than LOCKSTEP_MAX_SOCKETS, 503.")
+    "...sampling fields}` (the fields of /basic_generate; with messages also tools, tool_choice, "
+    "parallel_tool_calls and chat_template_kwargs as chat completions takes them), `{type: cancel, id}`, "
+    "`{type: auth, api_key}` (first frame, when the server has a key and the handshake had none). Server: `start`, "
+    "`delta {id, text}` (with `index` and `logprobs` for n > 1 or logprobs; `reasoning` and `tool_calls` pieces, in "
+    "OpenAI's chunk shape, where the answer has them), `done {id, finish_reason, usage, timing}` (with the finished "
+    "`tool_calls`), `error {id, code, message, param}` (the socket stays usable). A request without an upgrade is "
+    "400 `invalid_handshake`; more sockets than LOCKSTEP_MAX_SOCKETS, 503.")
 
 
 _RESPONSES_WS_DESCRIPTION = (
@@ -227,7 +230,7 @@ def _schemas(state: AppState) -> dict:
                                        "max_tokens": _nullable(_max_tokens(echo=True))},
                                       sampling | _openai_common(), required=["prompt"]),
         "ChatRequest": _request({"messages": _ref("ChatMessages"), "max_completion_tokens": _nullable(_max_tokens()),
-                                 **_tool_fields()},
+                                 **_tool_fields(), **_template_args()},
                                 no_echo | _openai_common(), required=["messages"]),
         "ChatMessages": {"type": "array", "minItems": 1, "maxItems": shapes.MAX_MESSAGES,
                          "items": {"anyOf": [_message(), *_tool_messages()]}},
@@ -255,7 +258,8 @@ def _schemas(state: AppState) -> dict:
             "index": _COUNT, "finish_reason": {"type": "string", "enum": [*FINISH_REASONS, "tool_calls"]},
             "logprobs": _nullable(_ref("ChatLogprobs")),
             "message": _with_optional(_object({"role": {"const": "assistant"}, "content": _nullable(_STRING)}),
-                                      tool_calls=_array(_tool_call()))})),
+                                      tool_calls=_array(_tool_call()), reasoning_content=_REASONING,
+                                      reasoning=_REASONING)})),
         "ChatLogprobs": _object({"content": _array(_object({
             **_token_logprob()["properties"], "top_logprobs": _array(_token_logprob())}))}),
         "CompletionLogprobs": _object({
@@ -297,6 +301,9 @@ def _responses_schemas(sampling: dict) -> dict:
                        "content": _array(_object({"type": {"const": "output_text"}, "text": _STRING}))})
     function_call = _object({"id": _STRING, "type": {"const": "function_call"}, "call_id": _STRING, "name": _STRING,
                              "arguments": _STRING, "status": {"enum": ["completed", "incomplete"]}})
+    reasoning = _object({"id": _STRING, "type": {"const": "reasoning"}, "summary": _array(_object({})),
+                         "status": {"enum": ["completed"]},
+                         "content": _array(_object({"type": {"const": "reasoning_text"}, "text": _STRING}))})
     chat_tools = _tool_fields()
     function = chat_tools["tools"]["anyOf"][0]["items"]["properties"]["function"]
     tool = {**function, "required": ["type", "name"],
@@ -313,6 +320,7 @@ def _responses_schemas(sampling: dict) -> dict:
                 "type": "object", "required": ["type", "name"],
                 "properties": {"type": {"const": "function"}, "name": _STRING}}]}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
+            **_template_args(),
             "instructions": _nullable(_STRING), "max_output_tokens": _nullable(_max_tokens()),
             "text": _nullable({"type": "object", "additionalProperties": False, "properties": {
                 "format": _nullable(_text_format()), "verbosity": {"type": "null"}}}),
@@ -328,7 +336,7 @@ def _responses_schemas(sampling: dict) -> dict:
             "id": _STRING, "object": {"const": "response"}, "created_at": _COUNT, "model": _STRING,
             "status": {"enum": ["completed", "incomplete", "failed", "cancelled"]},
             "incomplete_details": _nullable(_object({"reason": _STRING})),
-            "output": _array({"anyOf": [message, function_call]}),
+            "output": _array({"anyOf": [reasoning, message, function_call]}),
             "usage": _nullable(usage)}),
         "ResponseDeleted": _object({"id": _STRING, "object": {"const": "response.deleted"},
                                     "deleted": {"const": True}}),
@@ -350,6 +358,7 @@ _TEXT = {"type": "string", "minLength": 1, "pattern": r"\S", "description": "Non
 _NUMBER = {"type": "number"}
 _COUNT = {"type": "integer", "minimum": 0}
 _CALL_ID = {"type": "string", "minLength": 1, "maxLength": shapes.MAX_CALL_ID}
+_REASONING = {"type": "string", "description": "The model's thinking (a <think> block), apart from content"}
 _FINISH = {"type": "string", "enum": FINISH_REASONS}
 
 
@@ -436,6 +445,14 @@ def _tool_fields() -> dict:
             "tool_choice": _nullable({"anyOf": [{"enum": list(tool_calls.CHOICES)}, named],
                                       "description": "a named function must be in tools"}),
             "parallel_tool_calls": _nullable({"type": "boolean"})}
+
+
+def _template_args() -> dict:
+    """vLLM's chat_template_kwargs: of them, enable_thinking (app/chat_request.py)."""
+    return {"chat_template_kwargs": _nullable({
+        "type": "object", "additionalProperties": False,
+        "properties": {"enable_thinking": _nullable({"type": "boolean"})},
+        "description": "enable_thinking false: a reasoning template's model answers without thinking"})}
 
 
 def _tool_call() -> dict:

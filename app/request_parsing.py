@@ -31,6 +31,8 @@ SAMPLING = frozenset({
 })
 # vLLM's field: requests share cached prompt prefixes only with requests of the same salt (README: prefix cache).
 CACHE_SALT = frozenset({"cache_salt"})
+# vLLM's field: arguments for the chat template (of them, enable_thinking: app/chat_request.py).
+TEMPLATE_ARGS = frozenset({"chat_template_kwargs"})
 # OpenAI fields read for information only (never change the answer), and `stream`, whose only accepted value
 # on REST is false.
 OPENAI_COMMON = frozenset({"model", "user", "metadata", "store", "stream"})
@@ -86,12 +88,13 @@ BASIC_GENERATE = RequestShape("/basic_generate", SAMPLING - {"echo"} | CACHE_SAL
 GENERATE = RequestShape("/generate", SAMPLING - {"echo"} | CACHE_SALT | {"prompts"})
 COMPLETIONS = RequestShape("/v1/completions", SAMPLING | CACHE_SALT | OPENAI_COMMON | {"prompt"}, is_openai=True)
 CHAT = RequestShape("/v1/chat/completions",
-                    SAMPLING - {"echo"} | CACHE_SALT | OPENAI_COMMON | TOOL_FIELDS | {"messages"},
+                    SAMPLING - {"echo"} | CACHE_SALT | OPENAI_COMMON | TOOL_FIELDS | TEMPLATE_ARGS | {"messages"},
                     aliases={"max_completion_tokens": "max_tokens"}, is_openai=True,
                     not_implemented={k: v for k, v in NOT_IMPLEMENTED.items() if k not in TOOL_FIELDS})
 TOKENIZE = RequestShape("/tokenize", frozenset({"prompt", "messages", "model"}), one_of=("prompt", "messages"))
-WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | CACHE_SALT | {"type", "id", "prompt", "messages"},
-                           one_of=("prompt", "messages"))
+WS_GENERATE = RequestShape("a generate frame", SAMPLING - {"echo"} | CACHE_SALT | TOOL_FIELDS | TEMPLATE_ARGS
+                           | {"type", "id", "prompt", "messages"}, one_of=("prompt", "messages"),
+                           not_implemented={k: v for k, v in NOT_IMPLEMENTED.items() if k not in TOOL_FIELDS})
 
 
 def read_json_body(shape: RequestShape | None = None, context: int = 0) -> dict:

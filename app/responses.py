@@ -13,14 +13,17 @@ from typing import Callable
 from flask import Blueprint, jsonify, request
 
 from engine import FinishReason, InvalidRequest, RequestOutput, SamplingParams, check_encodable
-from engine.tool_calls import ToolFormat, ToolRequest, constrained_sampling, parse_tool_request
+from engine.answer_stream import AnswerShape
+from engine.tool_calls import ToolRequest, parse_tool_request
 
 from .api import run_one
+from .chat_request import chat_parts, thinking_field
 from .errors import FAILED_OUTPUT_MESSAGE, ApiError, invalid_value, missing_field, unsupported_field
-from .request_parsing import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, TOOL_FIELDS, ContentParts,
-                              RequestShape, check_call_ids, check_conversation, checked_call, checked_call_id,
-                              content_text, max_output_chars, metadata_field, read_json_body, sampling_fields,
-                              shown_name)
+from .request_parsing import (CACHE_SALT, MAX_MESSAGES, OPENAI_COMMON, ROLE_AS, ROLES, TEMPLATE_ARGS, TOOL_FIELDS,
+                              ContentParts, RequestShape, check_call_ids, check_conversation, checked_call,
+                              checked_call_id, content_text, max_output_chars, metadata_field, read_json_body,
+                              sampling_fields, shown_name)
+from .response_output import OutputItems
 from .response_store import StoredResponse
 from .state import lockstep
 
@@ -33,7 +36,7 @@ STREAM_HINT = ("streaming is served over the WebSocket: open ws://HOST/v1/respon
 # lockstep's own sampling fields, as on its other endpoints (OpenAI's Responses API has none of them).
 LOCKSTEP_SAMPLING = frozenset({"top_k", "seed", "stop", "ignore_eos", "timeout", "presence_penalty",
                                "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"})
-RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | CACHE_SALT | TOOL_FIELDS | {
+RESPONSE_FIELDS = OPENAI_COMMON | LOCKSTEP_SAMPLING | CACHE_SALT | TOOL_FIELDS | TEMPLATE_ARGS | {
     "input", "instructions", "temperature", "top_p", "text", "previous_response_id"}
 NOT_IMPLEMENTED = {
     "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
@@ -101,9 +104,9 @@ class Turn:
     timeout_s: float | None
     created_at: int
     cache_salt: str | None = None
-    tools: ToolRequest | None = None  # function tools the model may call (engine/tool_calls.py)
-    tool_format: ToolFormat | None = None
-    template_tools: list[dict] | None = None  # what the chat template renders of them
+    shape: AnswerShape = AnswerShape()  # what to take apart in the answer: reasoning, calls (engine/answer_stream.py)
+    template_tools: list[dict] | None = None  # what the chat template renders of the tools
+    thinking: bool | None = None  # the template's enable_thinking (chat_template_kwargs)
 
 
 # -- routes -------------------------------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def create_response():
     state = lockstep()
     body = read_json_body(RESPONSES, state.engine.max_model_len)
     turn = parse_turn(body, state.engine, state.responses.get)
-    output = run_one(body, turn.sampling, messages=turn.messages, tools=turn.template_tools)
+    output = run_one(body, turn.sampling, messages=turn.messages, tools=turn.template_tools, thinking=turn.thinking)
     response = response_object(turn, output)
     remember(turn, response, [state.responses] if turn.store else [])
     return jsonify(response)
@@ -169,13 +172,11 @@ def parse_turn(body: dict, engine, find_previous: Callable[[str], StoredResponse
         check_conversation(list(history), "input")
         check_call_ids(list(history), "input")
     tools = _tool_request(body, engine)
-    tool_format = engine.tool_format
-    messages, template_tools = tool_format.prompt(messages, tools)
-    sampling = constrained_sampling(_sampling(body, engine), tools, tool_format, max_output_chars(engine))
-    return Turn(f"resp_{uuid.uuid4().hex}", messages, history, sampling, _echoed_fields(body, tools),
+    chat = chat_parts(messages, tools, _sampling(body, engine), thinking_field(body), engine)
+    return Turn(f"resp_{uuid.uuid4().hex}", chat.messages, history, chat.sampling, _echoed_fields(body, tools),
                 store=_store(body.get("store")), timeout_s=body.get("timeout"), created_at=int(time.time()),
-                cache_salt=body.get("cache_salt"), tools=tools, tool_format=tool_format,
-                template_tools=template_tools)
+                cache_salt=body.get("cache_salt"), shape=chat.shape, template_tools=chat.template_tools,
+                thinking=chat.thinking)
 
 
 def _tool_request(body: dict, engine) -> ToolRequest | None:
@@ -240,6 +241,8 @@ def input_messages(value, required: bool = True) -> list[dict]:
         raise invalid_value("input", f"at most {MAX_MESSAGES} input items")
     messages = []
     for index, item in enumerate(value):
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            continue  # an earlier answer's thinking, sent back with it: templates leave it out of the history
         message = _input_message(item, f"input[{index}]")
         if message.get("tool_calls") and messages and messages[-1].get("tool_calls"):  # parallel calls: one turn
             messages[-1] = {**messages[-1], "tool_calls": messages[-1]["tool_calls"] + message["tool_calls"]}
@@ -330,8 +333,9 @@ def _user(value) -> str | None:
 
 # -- an output -> OpenAI's response object ------------------------------------------------------------------------
 
-def response_object(turn: Turn, output: RequestOutput | None, item_id: str | None = None) -> dict:
-    """The response as OpenAI shapes it; `output` None: still in progress (or, for a warm-up, nothing made)."""
+def response_object(turn: Turn, output: RequestOutput | None, items: list[dict] | None = None) -> dict:
+    """The response as OpenAI shapes it; `output` None: still in progress (or, for a warm-up, nothing made).
+    `items`: its output items as a stream built them (otherwise built here from the output's text)."""
     fields, status = turn.fields, _status(output)
     return {
         "id": turn.response_id, "object": "response", "created_at": turn.created_at,
@@ -339,7 +343,7 @@ def response_object(turn: Turn, output: RequestOutput | None, item_id: str | Non
         "status": status, "background": False, "error": _error(output),
         "incomplete_details": _incomplete_details(output), "instructions": fields["instructions"],
         "max_output_tokens": fields["max_output_tokens"], "metadata": fields["metadata"],
-        "model": lockstep().model_name, "output": output_items(turn, output, item_id),
+        "model": lockstep().model_name, "output": items if items is not None else output_items(turn, output),
         "parallel_tool_calls": fields["parallel_tool_calls"], "previous_response_id": fields["previous_response_id"],
         "reasoning": {"effort": None, "summary": None}, "store": turn.store,
         "temperature": turn.sampling.temperature, "text": fields["text"], "tool_choice": fields["tool_choice"],
@@ -348,32 +352,18 @@ def response_object(turn: Turn, output: RequestOutput | None, item_id: str | Non
     }
 
 
-def output_items(turn: Turn, output: RequestOutput | None, item_id: str | None = None) -> list[dict]:
-    """The assistant's message item (its text apart from any calls) and a function_call item per call."""
-    if not _has_message(output):
+def output_items(turn: Turn, output: RequestOutput | None) -> list[dict]:
+    """A reasoning item (where the model thought), the assistant's message item (its text apart from any calls)
+    and a function_call item per call (app/response_output.py)."""
+    if not has_output(output):
         return []
-    if turn.tools is None or turn.tool_format is None:
-        return [output_message(output, item_id)]
-    content, calls = turn.tool_format.parse(output.text, turn.tools)
-    items = [output_message(output, item_id, content)] if content or not calls else []
-    return items + [{"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": _item_status(output),
-                     "call_id": call.id, "name": call.name, "arguments": call.arguments} for call in calls]
+    items = OutputItems(turn.shape)
+    items.feed(output.text)
+    return items.finish(output)
 
 
 def in_progress_object(turn: Turn) -> dict:
     return {**response_object(turn, None), "status": "in_progress", "completed_at": None, "usage": None}
-
-
-def output_message(output: RequestOutput | None, item_id: str | None, text: str | None = None) -> dict:
-    """The one assistant message item; without an output, the item as it starts (no content yet)."""
-    status = "in_progress" if output is None else _item_status(output)
-    content = [] if output is None and text is None else [output_text_part(output.text if text is None else text)]
-    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message", "status": status, "role": "assistant",
-            "content": content}
-
-
-def output_text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def usage_object(output: RequestOutput | None) -> dict:
@@ -391,7 +381,7 @@ def cached_tokens(output: RequestOutput | None) -> int:
     return getattr(output.usage, "cached_tokens", 0) if output else 0
 
 
-def _has_message(output: RequestOutput | None) -> bool:
+def has_output(output: RequestOutput | None) -> bool:
     return output is not None and output.finish_reason is not FinishReason.ERROR
 
 
@@ -399,10 +389,6 @@ def _status(output: RequestOutput | None) -> str:
     if output is None:
         return "completed"  # a warm-up: nothing to make
     return STATUS_OF[output.finish_reason]
-
-
-def _item_status(output: RequestOutput) -> str:
-    return "completed" if output.finish_reason is FinishReason.STOP else "incomplete"
 
 
 def _incomplete_details(output: RequestOutput | None) -> dict | None:

@@ -2,12 +2,15 @@
 
 Client events: `response.create` with the fields of POST /v1/responses, plus `stream_id` (a lane) and
 `generate` (false: prepare a conversation to continue, make nothing). Per response the server sends, each
-with a `sequence_number` counting from 0 within it: response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta (one per detokenized
-piece), response.output_text.done, response.content_part.done, response.output_item.done, then
-response.completed or response.incomplete (response.failed, with the error, if the engine fails it). A request
-that cannot start gets an `error` event {type, status, error: {type, code, message, param}}; the socket stays
-usable. `response.steer` is refused (no tools, nothing to steer).
+with a `sequence_number` counting from 0 within it: response.created, response.in_progress, then each output
+item's events (app/response_output.py): for the message, response.output_item.added,
+response.content_part.added, response.output_text.delta (one per detokenized piece), response.output_text.done,
+response.content_part.done, response.output_item.done; for a function call, response.output_item.added,
+response.function_call_arguments.delta / .done, response.output_item.done; for the model's reasoning,
+response.reasoning_text.delta / .done between its item's added and done; then response.completed or
+response.incomplete (response.failed, with the error, if the engine fails it). A request that cannot start gets
+an `error` event {type, status, error: {type, code, message, param}}; the socket stays usable.
+`response.steer` is refused.
 
 Lanes: responses with the same stream_id (or none) run one after another in the order sent, so a turn may
 name the one before it while that still runs; different lanes run at once. At most MAX_WAITING creates wait
@@ -28,8 +31,8 @@ from engine import DeltaEvent, EngineError, FinishReason, RequestOutput
 from .errors import INVALID_VALUE, ApiError, invalid_value, unsupported_field
 from .request_parsing import checked_fields, echoable, shown_name
 from .response_store import ResponseStore, StoredResponse
-from .responses import (RESPONSES, Turn, in_progress_object, output_message, output_text_part, parse_turn, remember,
-                        response_object)
+from .response_output import OutputItems
+from .responses import RESPONSES, Turn, in_progress_object, parse_turn, remember, response_object
 from .socket_session import SocketSession
 from .socket_transport import SocketTransport
 from .state import AppState
@@ -53,7 +56,7 @@ class Running:
 
     turn: Turn
     lane: str | None
-    item_id: str = ""
+    items: OutputItems | None = None
     next_number: int = 0
 
     @property
@@ -63,10 +66,6 @@ class Running:
     def number(self) -> int:
         self.next_number += 1
         return self.next_number - 1
-
-    @property
-    def text_ref(self) -> dict:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
 
 
 class ResponsesSession(SocketSession):
@@ -95,8 +94,8 @@ class ResponsesSession(SocketSession):
             case "response.create":
                 self._create(message)
             case "response.steer":
-                raise unsupported_field("type", "response.steer is not supported: there is nothing to steer (no "
-                                                "tools); send a response.create with previous_response_id")
+                raise unsupported_field("type", "response.steer is not supported; send a response.create with "
+                                                "previous_response_id")
             case other:
                 raise ApiError(400, f"unknown event type {shown_name(str(other))!r}; send response.create",
                                INVALID_VALUE, "type")
@@ -127,25 +126,21 @@ class ResponsesSession(SocketSession):
         body = checked_fields({k: v for k, v in message.items() if k not in WS_ONLY_FIELDS}, RESPONSES,
                               self.engine.max_model_len)
         turn = parse_turn(body, self.engine, self._find_previous, generate=generate)
-        if turn.tools is not None and turn.tools.offered:  # streamed text would carry the calls' markup
-            raise unsupported_field("tools", "function tools are served by POST /v1/responses (and chat "
-                                             "completions) for now, not over the socket")
         running = Running(turn, lane)
         if not generate:
             self._prepare(running)
             return
         request_id = f"wsr-{uuid.uuid4().hex[:12]}"
         self.engine.submit(None, turn.sampling, messages=turn.messages, request_id=request_id, sink=self.inbox,
-                           client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt)
-        running.item_id = f"msg_{uuid.uuid4().hex}"
+                           client_id=self.client, timeout_s=turn.timeout_s, cache_salt=turn.cache_salt,
+                           tools=turn.template_tools, thinking=turn.thinking)
         self.streams[request_id] = running
         in_progress = in_progress_object(turn)
         if turn.store:
             self.state.responses.put(StoredResponse.of(in_progress, ()))
         self._emit(running, "response.created", response=in_progress)
         self._emit(running, "response.in_progress", response=in_progress)
-        self._emit(running, "response.output_item.added", output_index=0, item=output_message(None, running.item_id))
-        self._emit(running, "response.content_part.added", **running.text_ref, part=output_text_part(""))
+        running.items = OutputItems(turn.shape, lambda event_type, **fields: self._emit(running, event_type, **fields))
 
     def _prepare(self, running: Running) -> None:
         """generate: false: the conversation is kept for a next turn; nothing is made."""
@@ -176,27 +171,20 @@ class ResponsesSession(SocketSession):
 
     def _on_delta(self, event: DeltaEvent) -> None:
         running = self.streams.get(event.request_id)
-        if running is not None and event.text:
-            self._emit(running, "response.output_text.delta", **running.text_ref, delta=event.text, logprobs=[])
+        if running is not None:
+            running.items.feed(event.text)
 
     def _on_finished(self, output: RequestOutput) -> None:
         running = self.streams.pop(output.request_id, None)
         if running is None:
             return
-        response = response_object(running.turn, output, running.item_id)
-        if output.finish_reason is not FinishReason.ERROR:
-            self._emit_text_done(running, output)
+        items = running.items.finish(output) if output.finish_reason is not FinishReason.ERROR else None
+        response = response_object(running.turn, output, items)
         self._remember(running.turn, response, started=True)  # first: a GET on the final event finds it final
         self._emit(running, FINAL_EVENTS[response["status"]], response=response)
         logger.info("ws response %s finish=%s tokens=%d e2e_ms=%.0f", running.turn.response_id,
                     output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
         self._start_waiting(running.lane)
-
-    def _emit_text_done(self, running: Running, output: RequestOutput) -> None:
-        self._emit(running, "response.output_text.done", **running.text_ref, text=output.text, logprobs=[])
-        self._emit(running, "response.content_part.done", **running.text_ref, part=output_text_part(output.text))
-        self._emit(running, "response.output_item.done", output_index=0,
-                   item=output_message(output, running.item_id))
 
     def _emit(self, running: Running, event_type: str, **fields) -> None:
         event = {"type": event_type, "sequence_number": running.number(), **fields}

@@ -3,20 +3,26 @@
 Frames in: generate, cancel, auth. Frames out: start, delta, done, error. Each generate frame that starts
 becomes a ChatStream, the session's one record of it, from `start` to its `done` (or error) frame. Closing the
 socket cancels its running streams; an error frame leaves the socket usable.
+
+A chat with tools, or on a template with a reasoning block, streams its answer taken apart
+(engine/answer_stream.py): a delta's `text` is the answer's, `reasoning` the model's thinking, `tool_calls` the
+calls as they form (OpenAI's chunk shape); the done frame lists the finished calls.
 """
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wsproto.frame_protocol import CloseReason
 
 from engine import DeltaEvent, FinishReason, InvalidRequest, RequestOutput, SamplingParams
+from engine.answer_stream import AnswerShape, AnswerSplitter
 
-from .answer_shaping import chat_logprob_content
+from .answer_shaping import call_object, calls_finish_reason, chat_logprob_content, streamed_parts
+from .chat_request import chat_request
 from .errors import (AUTH_REQUIRED, INVALID_API_KEY, INVALID_VALUE, ApiError, from_failed_output, invalid_value,
                      missing_field, ws_error)
 from .guards import keys_match
-from .request_parsing import WS_GENERATE, checked_fields, echoable, messages_field, prompt_field, sampling_fields
+from .request_parsing import WS_GENERATE, checked_fields, echoable, prompt_field, sampling_fields
 from .socket_session import SessionClosing, SocketSession
 
 logger = logging.getLogger(__name__)
@@ -31,10 +37,17 @@ class ChatStream:
     client_id: str
     request_id: str
     sampling: SamplingParams
+    shape: AnswerShape | None = None  # a chat's: what to take apart in its answer
+    splitters: dict[int, AnswerSplitter] = field(default_factory=dict)  # sample index -> its answer's splitter
 
     @property
     def reference(self) -> str:
         return self.client_id
+
+    def splitter(self, index: int) -> AnswerSplitter | None:
+        if self.shape is None or self.shape.is_plain:
+            return None
+        return self.splitters.setdefault(index, AnswerSplitter(self.shape))
 
     @property
     def has_samples(self) -> bool:
@@ -58,7 +71,8 @@ class ChatSession(SocketSession):
     def on_engine_event(self, item) -> None:
         match item:
             case DeltaEvent():
-                self.transport.send(self._delta_frame(item))
+                if (frame := self._delta_frame(item)) is not None:
+                    self.transport.send(frame)
             case RequestOutput():
                 self._on_finished(item)
 
@@ -96,28 +110,41 @@ class ChatSession(SocketSession):
                            "id")
         message = checked_fields(message, WS_GENERATE)
         if "messages" in message:
-            prompt, messages = None, messages_field(message)
+            chat = chat_request(message, self.engine)
+            prompt, messages, sampling, shape = None, chat.messages, chat.sampling, chat.shape
+            template = {"tools": chat.template_tools, "thinking": chat.thinking}
         else:
-            prompt, messages = prompt_field(message), None
-        sampling = sampling_fields(message, self.engine)
+            for name in ("tools", "tool_choice", "chat_template_kwargs"):
+                if message.get(name) is not None:
+                    raise invalid_value(name, f"{name} goes with messages (a chat), not with a prompt")
+            prompt, messages, sampling, shape = prompt_field(message), None, sampling_fields(message, self.engine), None
+            template = {}
         if sampling.num_samples > sampling.n:
             raise InvalidRequest("best_of cannot be streamed (the samples not returned would be); use REST",
                                  "best_of")
         request_id = f"ws-{uuid.uuid4().hex[:12]}"
         self.engine.submit(prompt, sampling, messages=messages, request_id=request_id, sink=self.inbox,
                            client_id=self.client, timeout_s=message.get("timeout"),
-                           cache_salt=message.get("cache_salt"))
-        self.streams[request_id] = ChatStream(client_id, request_id, sampling)
+                           cache_salt=message.get("cache_salt"), **template)
+        self.streams[request_id] = ChatStream(client_id, request_id, sampling, shape)
         self.transport.send({"type": "start", "id": client_id})
 
-    def _delta_frame(self, event: DeltaEvent) -> dict:
-        """`index` with n > 1; `logprobs` (chat's content entries, for the tokens since the last delta) when asked."""
+    def _delta_frame(self, event: DeltaEvent) -> dict | None:
+        """`index` with n > 1; `logprobs` (chat's content entries, for the tokens since the last delta) when asked.
+        None when the splitter holds all of it back (text that may be the start of markup) and nothing else is due."""
         stream = self.streams.get(event.request_id)
-        frame = {"type": "delta", "id": stream.client_id if stream else None, "text": event.text}
-        if stream is not None and stream.has_samples:
-            frame["index"] = event.index
+        splitter = stream.splitter(event.index) if stream is not None else None
+        fields = streamed_parts(splitter.feed(event.text)) if splitter is not None else {"text": event.text}
         if stream is not None and stream.has_logprobs:
-            frame["logprobs"] = chat_logprob_content(event.logprobs, self.engine.token_texts)
+            fields["logprobs"] = chat_logprob_content(event.logprobs, self.engine.token_texts)
+        elif fields == {"text": ""}:
+            return None
+        return self._frame(stream, event.index, fields)
+
+    def _frame(self, stream: ChatStream | None, index: int, fields: dict) -> dict:
+        frame = {"type": "delta", "id": stream.client_id if stream else None, **fields}
+        if stream is not None and stream.has_samples:
+            frame["index"] = index
         return frame
 
     def _cancel(self, message: dict) -> None:
@@ -133,13 +160,35 @@ class ChatSession(SocketSession):
         if output.finish_reason is FinishReason.ERROR:
             self.transport.send(ws_error(client_id, from_failed_output(output)))
         else:
-            done = {"type": "done", "id": client_id, "finish_reason": output.finish_reason.value,
+            finish_reasons = self._finish_split_answers(stream, output)
+            done = {"type": "done", "id": client_id, "finish_reason": finish_reasons[0][0],
                     "usage": output.usage.as_dict(), "timing": output.timings.as_dict()}
+            if finish_reasons[0][1]:
+                done["tool_calls"] = finish_reasons[0][1]
             if stream is not None and stream.has_samples:
-                done["choices"] = [{"index": c.index, "finish_reason": c.finish_reason.value} for c in output.choices]
+                done["choices"] = [{"index": c.index, "finish_reason": reason, **({"tool_calls": calls} if calls
+                                                                                  else {})}
+                                   for c, (reason, calls) in zip(output.choices, finish_reasons)]
             self.transport.send(done)
         logger.info("ws request %s finish=%s tokens=%d e2e_ms=%.0f", output.request_id,
                     output.finish_reason.value, output.usage.completion_tokens, output.timings.e2e_s * 1000)
+
+    def _finish_split_answers(self, stream: ChatStream | None, output: RequestOutput) -> list[tuple[str, list]]:
+        """Each sample's last held-back parts sent; its finish reason ("tool_calls" when it ended with calls) and
+        its calls."""
+        reasons = []
+        for choice in output.choices:
+            splitter = stream.splitter(choice.index) if stream is not None else None
+            if splitter is None:
+                reasons.append((choice.finish_reason.value, []))
+                continue
+            tail = streamed_parts(splitter.finish())
+            if tail != {"text": ""}:
+                self.transport.send(self._frame(stream, choice.index, tail))
+            answer = splitter.result()
+            reasons.append((calls_finish_reason(choice.finish_reason.value, answer),
+                            [call_object(call) for call in answer.calls]))
+        return reasons
 
     def _stream_of(self, client_id: str) -> ChatStream | None:
         return next((stream for stream in self.streams.values() if stream.client_id == client_id), None)

@@ -16,7 +16,8 @@ from .errors import EngineError, NotReady, ShuttingDown, WorkerFailed
 from .executor import ModelExecutor
 from .inputs import InputProcessor
 from .messages import ModelInfo
-from .tool_calls import ToolFormat, tool_format_for
+from .answer_stream import AnswerShape, opens_reasoning, template_has_reasoning
+from .tool_calls import ToolFormat, ToolRequest, tool_format_for
 from .model_store import resolve_model
 from .output_processor import RequestObserver
 from .outputs import DeltaEvent, RequestOutput
@@ -90,6 +91,7 @@ class LLMEngine:
         self.preprocessor: RequestPreprocessor | None = None
         self.backend_choice: tuple[str, str] | None = None
         self._accepting = True
+        self._opens_reasoning: dict[bool | None, bool] = {}  # thinking setting -> the template's prompt opens it
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -183,13 +185,14 @@ class LLMEngine:
                messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                request_id: str | None = None, sink: queue.Queue | None = None, client_id: str = "",
                timeout_s: float | None = None, num_prompts: int = 1, cache_salt: str | None = None,
-               tools: list[dict] | None = None) -> RequestHandle:
+               tools: list[dict] | None = None, thinking: bool | None = None) -> RequestHandle:
         """Queue one request. Raises InvalidRequest, PromptTooLong, Overloaded or NotReady; never blocks.
 
         `client_id` groups requests for fair admission; `timeout_s` shortens the server's request deadline;
         `num_prompts` is how many prompts its call sent (each gets its share of the echo response budget);
         `cache_salt` (vLLM's field): only requests with the same salt share cached prompt prefixes; `tools`
-        (OpenAI's shape) go to a chat template that renders them (engine/tool_calls.py)."""
+        (OpenAI's shape) go to a chat template that renders them (engine/tool_calls.py); `thinking` False turns a
+        reasoning template's thinking off (its `enable_thinking`), None leaves the template's default."""
         if not self._accepting:
             raise ShuttingDown()
         if not self.is_scheduling:
@@ -197,7 +200,8 @@ class LLMEngine:
         if self.info is None:  # after a crash requests wait for the new worker; before the first load they cannot
             raise NotReady(self.load_error or "the model is still loading; retry shortly")
         prepared = self.preprocessor.prepare(prompt, sampling or SamplingParams(), messages, prompt_token_ids,
-                                             request_id, client_id, timeout_s, num_prompts, cache_salt, tools)
+                                             request_id, client_id, timeout_s, num_prompts, cache_salt, tools,
+                                             thinking)
         sink = sink if sink is not None else queue.Queue()
         self.core.add(prepared, sink)
         return RequestHandle(self, prepared.request_id, sink)
@@ -247,6 +251,16 @@ class LLMEngine:
     def tool_format(self) -> ToolFormat:
         """How the model's chat template writes tool calls (engine/tool_calls.py)."""
         return tool_format_for(self.inputs.chat_template if self.inputs else None)
+
+    def answer_shape(self, tools: ToolRequest | None = None, thinking: bool | None = None) -> AnswerShape:
+        """What to take apart in the answer to a chat request (engine/answer_stream.py): the calls of the tools
+        it offers, and the reasoning of a template with a `<think>` block unless the request turned thinking off."""
+        template = self.inputs.chat_template if self.inputs else None
+        has_reasoning = thinking is not False and template_has_reasoning(template)
+        if has_reasoning and thinking not in self._opens_reasoning:
+            self._opens_reasoning[thinking] = opens_reasoning(self.inputs.render, thinking)
+        in_reasoning = has_reasoning and self._opens_reasoning[thinking]
+        return AnswerShape(tools, self.tool_format, has_reasoning, in_reasoning)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The chat template's markers as special tokens, each message's content as plain text."""

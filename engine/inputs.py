@@ -83,14 +83,15 @@ class InputProcessor:
     # -- the three kinds of input -----------------------------------------------------------------------
 
     def process(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                prompt_token_ids: list[int] | None = None, tools: list[dict] | None = None) -> list[int]:
+                prompt_token_ids: list[int] | None = None, tools: list[dict] | None = None,
+                thinking: bool | None = None) -> list[int]:
         """`prompt` is text, or token ids as OpenAI's completions take them (checked like `prompt_token_ids`)."""
         if prompt_token_ids is not None:
             return self.check_token_ids(prompt_token_ids)
         if isinstance(prompt, list):
             return self.check_token_ids(prompt, "prompt")
         if messages is not None:
-            return self.encode_chat(messages, tools)
+            return self.encode_chat(messages, tools, thinking)
         return self.encode_prompt(prompt)
 
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -101,9 +102,11 @@ class InputProcessor:
         with self._tokenizing(len(prompt)):
             return self._encode(self._markup, prompt, "prompt", add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    thinking: bool | None = None) -> list[int]:
         """`tools` (OpenAI's shape) and the messages' `tool_calls` go to a template that renders them: they are
-        markup there, so special-token text in them is refused rather than encoded as a special token."""
+        markup there, so special-token text in them is refused rather than encoded as a special token. `thinking`
+        is the template's `enable_thinking` (None: not passed)."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest("this model has no chat template; send a prompt instead", "messages")
         contents = _contents(messages)
@@ -114,9 +117,10 @@ class InputProcessor:
             check_encodable(content, "messages", f"messages[{index}].content")
         self._refuse_special_texts(markup, "the tools and tool calls")
         with self._tokenizing(num_chars):
-            pieces = self._render_pieces(messages, tools)
+            extra = {"tools": tools} if thinking is None else {"tools": tools, "enable_thinking": thinking}
+            pieces = self._render_pieces(messages, extra)
             if pieces is None:
-                return self._encode_unsplit(messages, contents, tools)
+                return self._encode_unsplit(messages, contents, extra)
             return self._encode_pieces(pieces)
 
     @property
@@ -159,24 +163,26 @@ class InputProcessor:
 
     # -- chat: template markup stays special, content is plain text ---------------------------------------------
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], extra: dict | None = None) -> str:
+        """The chat as the template writes it, ending with the assistant's opening; `extra`: the template's
+        other arguments (tools, enable_thinking)."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **(extra or {}))
         except TemplateError as exc:  # the template's own raise_exception (roles must alternate, ...)
             raise InvalidRequest(f"the chat template refused these messages: {exc}", "messages") from None
 
-    def _render_pieces(self, messages: list[dict], tools: list[dict] | None = None) -> list[ChatPiece] | None:
+    def _render_pieces(self, messages: list[dict], extra: dict) -> list[ChatPiece] | None:
         """The rendered chat cut into markup and content, or None if the template changes the contents
         (trims, cuts, escapes them), so that where each content lies is not known exactly."""
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"[lockstep-content:{nonce}:{i}]"} if isinstance(m["content"], str) else m
                   for i, m in enumerate(messages)]
-        parts = re.split(rf"\[lockstep-content:{nonce}:(\d+)\]", self._render(marked, tools))
+        parts = re.split(rf"\[lockstep-content:{nonce}:(\d+)\]", self.render(marked, extra))
         # re.split with a group alternates: markup, content index, markup, ..., markup
         pieces = [ChatPiece(messages[int(part)]["content"], True) if i % 2 else ChatPiece(part, False)
                   for i, part in enumerate(parts)]
-        if "".join(p.text for p in pieces) != self._render(messages, tools):
+        if "".join(p.text for p in pieces) != self.render(messages, extra):
             return None
         return [p for p in pieces if p.text]
 
@@ -191,11 +197,11 @@ class InputProcessor:
             token_ids += self._encode(encoder, piece.text, "messages", add_special_tokens=False).ids
         return token_ids
 
-    def _encode_unsplit(self, messages: list[dict], contents: list[str], tools: list[dict] | None) -> list[int]:
+    def _encode_unsplit(self, messages: list[dict], contents: list[str], extra: dict) -> list[int]:
         """A template that rewrites contents: safe as one string only if no content holds special-token text."""
         for content in contents:
             self._refuse_special_texts(content, "message content")
-        return self._encode(self._markup, self._render(messages, tools), "messages", add_special_tokens=False).ids
+        return self._encode(self._markup, self.render(messages, extra), "messages", add_special_tokens=False).ids
 
     def _refuse_special_texts(self, text: str, what: str) -> None:
         forged = next((s for s in self._special_texts if s in text), None)

@@ -59,11 +59,12 @@ class RequestPreprocessor:
     def prepare(self, prompt: str | None, sampling: SamplingParams, messages: list[dict] | None = None,
                 prompt_token_ids: list[int] | None = None, request_id: str | None = None, client_id: str = "",
                 timeout_s: float | None = None, num_prompts: int = 1,
-                cache_salt: str | None = None, tools: list[dict] | None = None) -> PreparedRequest:
+                cache_salt: str | None = None, tools: list[dict] | None = None,
+                thinking: bool | None = None) -> PreparedRequest:
         self._validate(sampling)
         check_cache_salt(cache_salt)
         deadline = time.monotonic() + self._timeout(timeout_s)  # checked before the (costly) tokenization
-        token_ids = self.inputs.process(prompt, messages, prompt_token_ids, tools)
+        token_ids = self.inputs.process(prompt, messages, prompt_token_ids, tools, thinking)
         request_id = request_id or f"req-{next(self._request_counter)}-{uuid.uuid4().hex[:8]}"
         eos_token_ids = frozenset() if sampling.ignore_eos else self._eos_token_ids()
         max_tokens = self._max_tokens(sampling, len(token_ids))

@@ -1,5 +1,5 @@
-"""Tool calls: the request's tools checked, the prompt and the grammar in the model's own call format, and the
-calls taken back out of the answer's text.
+"""Tool calls: the request's tools checked, and the prompt and the grammar in the model's own call format (the
+calls are taken back out of the answer's text, streamed or whole, by engine/answer_stream.py).
 
 A `ToolFormat` is data, chosen from the chat template (`tool_format_for`):
 
@@ -179,21 +179,26 @@ class ToolFormat:
     is_native: bool  # the template renders tools, calls and results itself
     allows_several: bool = True
 
-    def grammar(self, tools: ToolRequest) -> str | None:
-        """The Lark grammar the answer must follow, or None when nothing needs constraining."""
+    def grammar(self, tools: ToolRequest, reasoning: str | None = None) -> str | None:
+        """The Lark grammar the answer must follow, or None when nothing needs constraining. `reasoning` (a
+        template with a `<think>` block): "optional", a forced answer may think first; "open", the prompt opened
+        the block, so a forced answer closes it before its calls."""
         offered = tools.offered
         if not offered:
             return None
         call = f"call_json: %json {json.dumps(self._call_schema(offered), allow_nan=False)}"
         several = tools.is_parallel and self.allows_several
+        thought = REASONING_PREFIXES.get(reasoning, "") if tools.is_forced else ""
+        thought_rules = THOUGHT_RULES if thought else ""
         if not self.opening:  # the whole answer is one call
-            start = "start: call_json" if tools.is_forced else "start: TEXT | call_json\nTEXT: /[^{](.|\\n)*/"
-            return f"%llguidance {{}}\n{start}\n{call}\n"
+            start = f"start: {thought}call_json" if tools.is_forced else \
+                "start: TEXT | call_json\nTEXT: /[^{](.|\\n)*/"
+            return f"%llguidance {{}}\n{start}\n{call}\n{thought_rules}"
         tail = f'"{_lark_escape(self.closing)}"'
         if tools.is_forced:
             block = f'"{_lark_escape(self.opening)}" call_json {tail}'
-            start = 'start: block ("\\n" block)*' if several else "start: block"
-            return f"%llguidance {{}}\n{start}\nblock: {block}\n{call}\n"
+            start = f'start: {thought}block ("\\n" block)*' if several else f"start: {thought}block"
+            return f"%llguidance {{}}\n{start}\nblock: {block}\n{call}\n{thought_rules}"
         opening = _lark_escape(self.opening)
         if several:
             return (f"%llguidance {{}}\nstart: (opened call_json {tail})* TEXT\n"
@@ -217,46 +222,6 @@ class ToolFormat:
         else:
             schema = {"anyOf": [call(tool, f"/anyOf/{index}") for index, tool in enumerate(offered)]}
         return {**schema, "x-guidance": GRAMMAR_OPTIONS}
-
-    def parse(self, text: str, tools: ToolRequest) -> tuple[str | None, list[ToolCall]]:
-        """The answer's text apart from its calls, and the calls (complete, valid JSON naming an offered tool).
-        Markup of a call cut short (max_tokens) is dropped from the text too."""
-        if not tools.offered:
-            return text, []
-        if not self.opening:
-            call = self._call_of(text.strip().removeprefix("<|python_tag|>"), tools)
-            return (None, [call]) if call is not None else (text, [])
-        calls, kept, position = [], [], 0
-        for match in re.finditer(f"{re.escape(self.opening.strip())}(.*?){re.escape(self.closing.strip())}", text,
-                                 re.DOTALL):
-            call = self._call_of(match.group(1).strip(), tools)
-            if call is None:
-                continue
-            kept.append(text[position:match.start()])
-            position = match.end()
-            calls.append(call)
-            if not (tools.is_parallel and self.allows_several):
-                break
-        rest = text[position:]
-        if self.opening.strip() in rest:  # a call cut short
-            rest = rest[:rest.index(self.opening.strip())]
-        content = "".join(kept) + rest
-        if calls:
-            content = content.strip()
-            return content or None, calls
-        return content, calls
-
-    def _call_of(self, body: str, tools: ToolRequest) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in {tool.name for tool in tools.offered}:
-            return None
-        arguments = value.get(self.arguments_key, value.get("arguments", {}))
-        if not isinstance(arguments, dict):
-            return None
-        return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
     # -- the prompt --------------------------------------------------------------------------------------------
 
@@ -314,6 +279,14 @@ def tool_format_for(chat_template: str | None) -> ToolFormat:
     return GENERIC
 
 
+# Before a forced call, a reasoning template's thinking: a `<think>` block, or the end of one the prompt opened.
+# THOUGHT is the thinking and its closing tag in one lexeme (ending at the first `</think>`): the lexer cannot
+# step back out of a lexeme that stopped matching several bytes in.
+REASONING_PREFIXES = {"optional": "think? ", "open": "THOUGHT SPACE? "}
+THOUGHT_RULES = ('think: "<think>" THOUGHT SPACE?\n'
+                 "THOUGHT: /(?s:.*)<\\/think>/ & ~/(?s:.*)<\\/think>(?s:.+)/\nSPACE: /[ \\t\\n]+/\n")
+
+
 def _relocated(schema: dict, location: str) -> dict:
     """A copy of `schema` whose local references ("#", "#/$defs/x") point into it at `location` (a JSON pointer
     of where it sits in a larger schema). JSON values (const, enum, default, examples) are left as they are."""
@@ -350,7 +323,7 @@ def check_tool_grammar(grammar: str | None, max_output_chars: int | None = None)
 
 
 def constrained_sampling(sampling, tools: ToolRequest | None, tool_format: ToolFormat,
-                         max_output_chars: int | None = None):
+                         max_output_chars: int | None = None, reasoning: str | None = None):
     """`sampling` (SamplingParams) with the tools' grammar, checked: a 400 for a grammar llguidance refuses or for
     settings that would cut a forced call short or hold the answer past it."""
     if tools is None or not tools.offered:
@@ -361,6 +334,6 @@ def constrained_sampling(sampling, tools: ToolRequest | None, tool_format: ToolF
     if tools.is_forced and (sampling.stop or sampling.ignore_eos or sampling.min_tokens):
         raise InvalidRequest("stop, ignore_eos and min_tokens cannot be combined with a forced tool call "
                              "(tool_choice \"required\" or a function): the answer ends with its calls", "tool_choice")
-    grammar = tool_format.grammar(tools)
+    grammar = tool_format.grammar(tools, reasoning)
     check_tool_grammar(grammar, max_output_chars)
     return dataclasses.replace(sampling, tool_grammar=grammar)

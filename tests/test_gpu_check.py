@@ -47,8 +47,8 @@ def test_the_bundle_installs_offline_into_a_fresh_venv_and_needs_only_the_gpu_ho
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     # Imported from the venv's own site-packages (not this suite's venv), without a network.
-    where = subprocess.run([str(python), "-c", "import sys, importlib.util as u; [print(u.find_spec(m).origin) for m in "
-                            f"sys.argv[1:]]", *BUNDLED_MODULES_WITHOUT_NUMPY],
+    where = subprocess.run([str(python), "-c", "import sys, importlib.util as u; "
+                            "[print(u.find_spec(m).origin) for m in sys.argv[1:]]", *BUNDLED_MODULES_WITHOUT_NUMPY],
                            capture_output=True, text=True, check=True).stdout.split()
     assert where and all(path.startswith(site) for path in where), where
     done = subprocess.run([str(python), "-c", f"import {', '.join(BUNDLED_MODULES_WITHOUT_NUMPY)}"],

@@ -146,7 +146,7 @@ def test_stream_over_http_points_to_the_websocket(client):
     ({"input": "\ud800"}, "invalid_value", "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "invalid_value", "input"),  # no c
-    ({"input": [{"type": "reasoning", "summary": []}]}, "unsupported_field", "input"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "unsupported_field", "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "unsupported_field",
      "input"),
     ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "unsupported_field", "input"),

@@ -7,6 +7,7 @@ import pytest
 from llguidance import LLMatcher
 
 from engine import InvalidRequest
+from engine.answer_stream import AnswerShape, SplitAnswer
 from engine.response_format import _byte_tokenizer, grammar_of, parser_limits
 from engine.tool_calls import GENERIC, HERMES, LLAMA3_JSON, parse_tool_request, tool_format_for
 
@@ -117,14 +118,14 @@ def test_calls_are_taken_out_of_the_text_and_markup_never_stays_in_it():
     tools = tool_request()
     text = ("Let me look. " + GENERIC.call_text("get_weather", {"city": "Paris", "days": 3}) + "\n"
             + GENERIC.call_text("get_time", {}) + "\n<tool_call>\n{\"name\": \"get_")  # the last one cut short
-    content, calls = GENERIC.parse(text, tools)
-    assert content == "Let me look."
-    assert [(call.name, json.loads(call.arguments)) for call in calls] == [
+    answer = AnswerShape(tools, GENERIC).split(text)
+    assert answer.content == "Let me look."
+    assert [(call.name, json.loads(call.arguments)) for call in answer.calls] == [
         ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
-    assert len({call.id for call in calls}) == 2
-    assert GENERIC.parse("No calls here.", tools) == ("No calls here.", [])
-    content, calls = LLAMA3_JSON.parse('{"name": "get_time", "parameters": {}}', tools)
-    assert content is None and calls[0].name == "get_time"
+    assert len({call.id for call in answer.calls}) == 2
+    assert AnswerShape(tools, GENERIC).split("No calls here.") == SplitAnswer("No calls here.", None, ())
+    answer = AnswerShape(tools, LLAMA3_JSON).split('{"name": "get_time", "parameters": {}}')
+    assert answer.content is None and answer.calls[0].name == "get_time"
 
 
 def test_a_native_template_renders_the_tools_and_refuses_special_tokens_in_them(smol_model_dir):
