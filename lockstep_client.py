@@ -36,10 +36,12 @@ class LockstepError(Exception):
 
 @dataclass(frozen=True)
 class Completion:
-    text: str
-    finish_reason: str  # stop, length or abort
+    text: str | None  # None: the answer is tool calls only
+    finish_reason: str  # stop, length, abort or tool_calls
     usage: dict = field(default_factory=dict)
     timing: dict = field(default_factory=dict)
+    reasoning: str | None = None  # the model's thinking, where its template has a reasoning block
+    tool_calls: list = field(default_factory=list)  # [{id, type, function: {name, arguments}}]
 
 
 class Client:
@@ -58,8 +60,9 @@ class Client:
                 yield frame["text"]
 
     def events(self, prompt: str | None = None, *, messages: list | None = None, **fields) -> Iterator[dict]:
-        """Yield the request's frames as the server sends them: `delta` frames, then the `done` frame (with
-        finish_reason, usage and timing). An `error` frame raises LockstepError."""
+        """Yield the request's frames as the server sends them: `delta` frames (`text`; where the answer has them,
+        `reasoning` and `tool_calls` pieces as OpenAI streams them), then the `done` frame (with finish_reason, usage,
+        timing and any finished tool_calls). An `error` frame raises LockstepError."""
         request_id = uuid.uuid4().hex[:12]
         socket = self._connect()
         try:
@@ -107,8 +110,9 @@ class Client:
             body = self.post("/basic_generate", {**_input(prompt, None), **fields})
             return Completion(body["generated_text"], body["finish_reason"], body["usage"], body.get("timing", {}))
         body = self.post("/v1/chat/completions", {"messages": messages, **fields})
-        choice = body["choices"][0]
-        return Completion(choice["message"]["content"], choice["finish_reason"], body["usage"])
+        choice, message = body["choices"][0], body["choices"][0]["message"]
+        return Completion(message["content"], choice["finish_reason"], body["usage"],
+                          reasoning=message.get("reasoning_content"), tool_calls=message.get("tool_calls", []))
 
     def post(self, path: str, body: dict) -> dict:
         """POST a JSON body to any endpoint; the parsed answer, or LockstepError with the server's code."""
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for frame in frames:
             if frame["type"] == "delta":
+                if frame.get("reasoning") and args.verbose:  # the model's thinking, apart from the answer
+                    sys.stderr.write(frame["reasoning"])
                 sys.stdout.write(frame["text"])
                 sys.stdout.flush()
             elif args.verbose:

@@ -10,6 +10,7 @@ export function messageElement(message, index) {
   const item = el("li", `msg ${message.role}`);
   item.dataset.index = String(index);
   item.append(el("span", "role", message.role === "user" ? "You" : "Assistant"));
+  if (message.reasoning) item.append(reasoningElement(message.reasoning));
   const body = el("div", message.role === "user" ? "body" : "body markdown");
   if (message.role === "user") body.textContent = message.content;
   else if (message.content) body.append(window.lockstepMarkdown.renderMarkdown(message.content));
@@ -17,6 +18,13 @@ export function messageElement(message, index) {
   if (message.role === "assistant") decorateAnswer(item, message);
   item.append(el("div", "msg-actions"));
   return item;
+}
+
+// The model's thinking (a reasoning template's <think> block), folded above its answer; plain text, never markup.
+export function reasoningElement(text) {
+  const box = el("details", "reasoning");
+  box.append(el("summary", "", "Thinking"), el("div", "reasoning-text", text));
+  return box;
 }
 
 function decorateAnswer(item, message) {

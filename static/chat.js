@@ -4,7 +4,7 @@ import {shouldRecheckReady} from "./config.js";
 import {isConnected, isSocketOpen, recheckModel, send} from "./connection.js";
 import {chat, historyFor, loadChat, saveChat} from "./conversation.js";
 import {chatNotice, followFromHere, followStream, logItems, markFailedQuestions, messageElement, onPageScroll,
-        redecorateAnswer, renderLog, showChatControls, trackComposerHeight} from "./chat-view.js";
+        reasoningElement, redecorateAnswer, renderLog, showChatControls, trackComposerHeight} from "./chat-view.js";
 import {readSettings} from "./settings.js";
 import {$, button, copyWithFeedback, el, onSubmit} from "./ui.js";
 
@@ -74,6 +74,7 @@ export function onSocketMessage(message) {
       run.item.dataset.state = "streaming";
       break;
     case "delta":
+      if (message.reasoning) onReasoning(run, message.reasoning);
       onDelta(run, message.text);
       break;
     case "done":
@@ -83,6 +84,17 @@ export function onSocketMessage(message) {
       failAnswer(message.code || "error", message.message || "");
       break;
   }
+}
+
+// Thinking streams into its folded box, created with its first piece.
+function onReasoning(run, text) {
+  if (!run.reasoningBox) {
+    run.reasoningBox = reasoningElement("");
+    run.item.querySelector(".body").before(run.reasoningBox);
+  }
+  run.message.reasoning = (run.message.reasoning || "") + text;
+  run.reasoningBox.querySelector(".reasoning-text").textContent = run.message.reasoning;
+  run.item.dataset.state = "streaming";
 }
 
 function onDelta(run, text) {

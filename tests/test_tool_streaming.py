@@ -7,9 +7,13 @@ import shutil
 
 import jsonschema
 import pytest
+from playwright.sync_api import expect
+
+from lockstep_client import Client
 
 from .client import WsClient, http
 from .conftest import sdk, start_live_server
+from .test_page import browser, last_answer, open_page, send, set_settings, wait_done  # noqa: F401
 from .test_tool_calls import ASK, RESPONSES_TOOLS, TOOLS, WEATHER_PARAMETERS
 
 GREEDY = {"temperature": 0}
@@ -200,6 +204,8 @@ def test_reasoning_is_kept_apart_in_chat_ws_and_responses_and_can_be_turned_off(
                                                                "max_output_tokens": 24, **GREEDY})
     assert status == 200 and response["output"][0]["type"] == "reasoning"
     assert response["output"][0]["content"][0]["text"] == message["reasoning_content"]
+    assert Client(url).generate(messages=body["messages"], max_tokens=24, **GREEDY).reasoning == \
+        message["reasoning_content"]  # lockstep_client.py reads it too
     status, _, plain = http("POST", url + "/v1/chat/completions",
                             {**body, "chat_template_kwargs": {"enable_thinking": False}})
     assert status == 200 and "reasoning_content" not in plain["choices"][0]["message"]
@@ -227,4 +233,29 @@ def test_a_native_template_renders_the_tools_and_its_forced_call_streams(thinkin
     finally:
         ws.close()
     assert result["final"]["finish_reason"] == "tool_calls" and result["text"] == ""
+    completion = Client(thinking_server.url).generate(**body)  # lockstep_client.py: the calls, no text
+    assert completion.text is None and [c["function"]["name"] for c in completion.tool_calls] == ["now"]
     assert [(c["name"], c["arguments"]) for c in assembled_calls(result["events"])] == [("now", "{}")]
+
+
+# -- the page ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_server(thinking_server):
+    """The page tests' server (tests/test_page.py's open_page): here, the one with a reasoning template."""
+    return thinking_server
+
+
+def test_the_page_shows_the_thinking_folded_above_the_answer(open_page):
+    page = open_page()
+    set_settings(page, temperature=0, max_tokens=24)
+    send(page, "Why is the sky blue?")
+    answer = last_answer(page)
+    wait_done(answer)
+    box = answer.locator("details.reasoning")
+    expect(box).to_have_count(1)
+    assert not box.evaluate("details => details.open")  # folded until the reader opens it
+    thought = box.locator(".reasoning-text").text_content()
+    assert thought.strip() and "<think>" not in answer.locator(".body").text_content()
+    page.reload()  # the stored conversation keeps the thinking, folded as before
+    expect(last_answer(page).locator("details.reasoning .reasoning-text")).to_have_text(thought)
