@@ -9,6 +9,7 @@ DEFAULT_MODEL = "smollm2"
 BACKENDS = ("hf", "vllm", "auto")
 POLICIES = ("continuous", "static", "none")
 DTYPES = ("bfloat16", "float32", "float16", "auto")  # auto: what the hardware computes (engine/hardware.py)
+QUANTIZE = ("none", "q8_0", "q4_0")  # a Hugging Face folder's weights at load (engine/gguf_export.py)
 WEIGHTS = ("auto", "q4", "exact")  # auto: a model's own 4-bit GGUF blocks where it has them (q4), else exact
 DEVICES = ("cpu", "cuda", "auto")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "ray")  # vLLM's distributed_executor_backend; ray spans nodes
@@ -35,6 +36,10 @@ class EngineConfig:
     # `exact`, the same kernels on float32 activations (the blocks' own numbers), or for a model without blocks
     # (or a dtype other than float32) the model's own forward in `dtype`; `auto`: q4 where the model has blocks.
     weights: str = "auto"
+    # hf on CPU, a Hugging Face folder of a family the 4-bit kernels run (llama, mistral, qwen2, qwen3, gemma3): its
+    # weights quantized once into the cache as q8_0 or q4_0 blocks (engine/gguf_export.py), then served as a GGUF
+    # file of them is (per `weights`); none: its own weights, on its own forward.
+    quantize: str = "none"
     device: str = "auto"
     max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
     max_queue: int = 256
@@ -102,6 +107,7 @@ class EngineConfig:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("weights", self.weights, WEIGHTS)
+        _check_choice("quantize", self.quantize, QUANTIZE)
         _check_choice("device", self.device, DEVICES)
         _check_choice("distributed_executor", self.distributed_executor, DISTRIBUTED_EXECUTORS)
         _check_choice("enforce_eager", self.enforce_eager, ENFORCE_EAGER)

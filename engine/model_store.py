@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import gguf_export
 from .config import DEFAULT_MODEL, EngineConfig
 from .errors import InvalidRequest
 from .gguf_convert import write_folder
@@ -134,7 +135,8 @@ def find_gguf() -> Path:
 
 
 def gguf_of(model_path: str, config: EngineConfig) -> str | None:
-    """The GGUF whose blocks `model_path` was prepared from, while it is the same file, or None."""
+    """The GGUF whose blocks `model_path` was prepared from, while it is the same file; for a Hugging Face
+    folder with `quantize` set, its weights' blocks in the cache (written first where missing); or None."""
     record = source_record(Path(model_path))
     if record is not None:
         gguf = record.get("path")
@@ -143,6 +145,8 @@ def gguf_of(model_path: str, config: EngineConfig) -> str | None:
         except (OSError, TypeError):
             return None
         return gguf if current == record.get("source") else None
+    if config.quantize != "none" and gguf_export.architecture_of(model_path) is not None:
+        return str(gguf_export.quantized_blocks(model_path, config.quantize, config.cache_dir))
     if Path(model_path).resolve() != default_model_dir(config.cache_dir).resolve():
         return None
     try:  # the embedded model's folder as earlier versions prepared it (no record)

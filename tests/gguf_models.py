@@ -35,29 +35,6 @@ def hf_config(family: str, tokenizer):
                             **common)
 
 
-def gguf_name(name: str, family: str) -> str:
-    """convert_hf_to_gguf's tensor names."""
-    renames = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-    if name in renames:
-        return renames[name]
-    _, _, index, *rest = name.split(".")
-    part = ".".join(rest)
-    post_attention = "post_attention_norm" if family == "gemma3" else "ffn_norm"
-    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": post_attention,
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    module, kind = part.rsplit(".", 1)
-    return f"blk.{index}.{parts[module]}.{kind}"
-
-
-def permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order for `llama` (rotary halves interleaved per head)."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def stored_blocks(values: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndarray:
     """`values` ([rows, columns] float32) stored as `type_name`: gguf-py's quantization, or random valid blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
@@ -87,6 +64,7 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.gguf_export import gguf_name, permute_rows, write_hyperparameters
     from engine.gguf_file import add_metadata, read_gguf
     from engine.model_store import find_gguf
 
@@ -96,7 +74,7 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     writer = GGUFWriter(f"{target}/{family}.gguf", family)
-    _write_hyperparameters(writer, config, family)
+    write_hyperparameters(writer, config, family)
     fields = tokenizer_fields(read_gguf(str(find_gguf())))
     fields["tokenizer.ggml.add_bos_token"] = family in add_bos_to
     for key, value in fields.items():
@@ -139,19 +117,3 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
         greedy = [model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
                                  pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
     return {"gguf": f"{target}/{family}.gguf", "reference": reference, "greedy": greedy}
-
-
-def _write_hyperparameters(writer, config, family: str) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if family == "gemma3":
-        writer.add_sliding_window(config.sliding_window)

@@ -13,6 +13,7 @@ import pytest
 
 from app import STARTUP_FAILURE_EXIT_CODE, create_app
 from engine import EngineConfig, SamplingParams
+from engine.gguf_export import quantized_path
 from engine.gguf_file import InvalidGGUF, read_gguf
 from engine.model_store import SOURCE_RECORD, UnsupportedModel, prepared_dir, prepared_model
 
@@ -224,6 +225,38 @@ def test_a_file_of_every_type_runs_on_the_4_bit_kernels(family_files, family, ma
     expected = run_job("same_blocks_greedy", model_dir=str(prepared_dir(files["gguf"], cache_dir)),
                        gguf=files["gguf"], prompts=PROMPTS, num_tokens=8)
     assert served == [tuple(tokens) for tokens in expected]
+
+
+@pytest.mark.parametrize("family, quantize", [("llama", "q8_0"), ("qwen2", "q4_0"), ("qwen3", "q8_0"),
+                                              ("gemma3", "q4_0")])
+def test_a_folder_quantized_at_load_runs_on_the_kernels_as_its_blocks(family_files, family, quantize, make_engine,
+                                                                     cache_dir):
+    """A Hugging Face folder of each family with quantize set: its weights written once as blocks into the cache
+    (engine/gguf_export.py, as convert_hf_to_gguf lays them out) and served by the same decoder as a GGUF file, the
+    per-row KV cache and the prefix cache with it; with float32 activations its greedy tokens are the float32
+    model's on those very blocks."""
+    reference = family_files[family]["reference"]
+    engine = make_engine(reference, cache_dir=cache_dir, dtype="auto", weights="exact", quantize=quantize)
+    info = engine.info
+    assert "4-bit kernels" in info.compute and info.kv_per_row and info.prefix_cache
+    assert f"quantize={quantize}" in info.compute_reason
+    blocks = quantized_path(reference, quantize, cache_dir)
+    written = blocks.stat().st_mtime_ns
+    served = [engine.submit(prompt_token_ids=list(prompt), sampling=SamplingParams(max_tokens=8, temperature=0,
+                                                                                   ignore_eos=True)).result(120)
+              .output_token_ids for prompt in PROMPTS]
+    expected = run_job("same_blocks_greedy", model_dir=reference, gguf=str(blocks), prompts=PROMPTS, num_tokens=8)
+    assert served == [tuple(tokens) for tokens in expected] and len(set(served)) == len(PROMPTS)
+    engine.shutdown()
+    again = make_engine(reference, cache_dir=cache_dir, dtype="auto", weights="exact", quantize=quantize)
+    assert "4-bit kernels" in again.info.compute and blocks.stat().st_mtime_ns == written  # written once
+
+
+def test_quantize_says_where_it_does_not_apply(tiny_opt_dir, make_engine, cache_dir):
+    engine = make_engine(tiny_opt_dir, cache_dir=cache_dir, quantize="q8_0")
+    assert "quantize=q8_0 does not apply" in engine.info.compute_reason and "4-bit" not in engine.info.compute
+    with pytest.raises(ValueError, match="quantize"):
+        EngineConfig(quantize="q3_k")
 
 
 def test_a_served_file_chats_with_its_own_template_and_says_what_it_is(family_files, make_server_for, cache_dir):

@@ -32,6 +32,7 @@ from ..errors import describe
 from ..hardware import choose_dtype, detect_host, memory_headroom, torch_threads
 from ..memory import release_freed_memory
 from ..messages import ModelInfo, NewRequest, PromptLogprobs, StepOutput, WorkerSampling, eos_ids
+from .. import gguf_export
 from ..model_store import gguf_of, source_record
 from .base import Backend, resolve_device
 from .bf16 import Bf16Kernels, load_bf16_kernels
@@ -114,6 +115,7 @@ class HFBackend(Backend):
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
         q4 = self._q4(config, gguf, host, exact=q4_mode == "exact") if q4_mode else None
+        self.compute_reason = _quantize_note(config, model_path, q4 is not None) + self.compute_reason
         self.accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.prefill_step_target_s = config.prefill_step_target_s
@@ -586,6 +588,17 @@ class HFBackend(Backend):
         # Without the trims glibc keeps the peak of every long prompt: the worker's memory would only grow.
         if not self.rows or freed_positions >= TRIM_AFTER_COLUMNS:
             release_freed_memory()
+
+
+def _quantize_note(config: EngineConfig, model_path: str, on_blocks: bool) -> str:
+    """What `quantize` did: the folder's weights quantized at load, or why it did not apply."""
+    if config.quantize == "none" or source_record(Path(model_path)) is not None:
+        return ""
+    if gguf_export.architecture_of(model_path) is None:
+        return f"quantize={config.quantize} does not apply (it quantizes {', '.join(gguf_export.FAMILIES)}); "
+    if not on_blocks:
+        return f"quantize={config.quantize} not used on {config.device}; "
+    return f"quantize={config.quantize}: the folder's weights quantized once at load (engine/gguf_export.py); "
 
 
 def _q4_mode(config: EngineConfig, gguf: str | None) -> tuple[str, str]:
