@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from flask import current_app
 
 from engine import MAX_STOP_LENGTH, EngineConfig, LLMEngine
+from engine.tool_calls import MAX_DESCRIPTION_CHARS, MAX_TOOLS
 
 from .metrics import ServerMetrics
 from .response_store import ResponseStore
@@ -91,7 +92,11 @@ class AppState:
                 # Limits a client should know, served so that the page does not repeat them.
                 "max_stop_strings": engine.config.max_stop_strings, "max_stop_length": MAX_STOP_LENGTH,
                 "max_prompts": self.settings.max_prompts,
-                "max_request_timeout_s": engine.config.request_timeout_s}
+                "max_request_timeout_s": engine.config.request_timeout_s,
+                "max_tools": MAX_TOOLS, "max_tool_description_chars": MAX_DESCRIPTION_CHARS,
+                # how the template writes calls, and whether it has a reasoning block (answers keep it apart)
+                "tool_call_format": engine.tool_format.name if engine.inputs else None,
+                "reasoning": engine.answer_shape().has_reasoning if engine.inputs else None}
 
 
 def lockstep() -> AppState:

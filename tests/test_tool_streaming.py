@@ -187,6 +187,9 @@ def thinking_server(tmp_path_factory, tiny_model_dir):
 
 def test_reasoning_is_kept_apart_in_chat_ws_and_responses_and_can_be_turned_off(thinking_server):
     url = thinking_server.url
+    _, _, card = http("GET", url + "/v1/models")
+    assert card["data"][0]["reasoning"] is True and card["data"][0]["tool_call_format"] == "hermes"
+    assert card["data"][0]["max_tools"] == 128
     body = {"messages": [{"role": "user", "content": "Why is the sky blue?"}], "max_tokens": 24, **GREEDY}
     status, _, chat = http("POST", url + "/v1/chat/completions", body)
     message = chat["choices"][0]["message"]
