@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 PIP_FLAGS := --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: gpu-bundle gpu-check serve test test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server \
+.PHONY: gpu-bundle gpu-check serve test test-fast test-avx2-path test-arm64-path setup model chromium nginx vllm ray bench bench-engine llama-server \
 	llama-server-avx2 screenshots clean
 
 serve: setup model
@@ -19,6 +19,14 @@ PYTEST_PARALLEL := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 test: setup model chromium nginx vllm gpu-bundle
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-avx2-path
+
+# The unit and engine tests (real workers on tiny models; no live server, browser, gunicorn or peer): about 2.5
+# minutes on 2 cores, for the edit-and-test loop. `make test` runs everything, these among them.
+FAST_TESTS := tests/test_answer_stream.py tests/test_channel.py tests/test_detokenizer.py tests/test_inputs.py \
+	tests/test_sampling.py tests/test_scheduler.py tests/test_engine.py tests/test_engine_hardening.py \
+	tests/test_faults.py tests/test_logprobs.py tests/test_kv_slots.py tests/test_worker_start.py
+test-fast: setup model
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(FAST_TESTS) $(PYTEST_ARGS)
 
 # The decode-path tests once more as an AVX2-only CPU runs them (lockstep's capability mask, ATen's and oneDNN's own
 # caps): on a host with AVX-512 a green suite then also proves the path of the commonest laptops and servers. With
