@@ -1,9 +1,8 @@
 """The decoding batch's KV caches, and the attention that reads them. On the 4-bit path (the default on CPU) each row
-keeps its own (RowKVCache: the batch holds the sum of its rows' lengths); elsewhere the slot cache below, padded.
+keeps its own (RowKVCache: the batch holds the sum of its rows' lengths); elsewhere the preallocated slot cache
+below, padded to the longest row.
 
-A preallocated, slot-based KV cache for the decoding batch, and the attention that reads it.
-
-Each decoding row owns a slot: per layer, keys and values live in one tensor
+In the slot cache each decoding row owns a slot: per layer, keys and values live in one tensor
 [slots, kv_heads, capacity, head_dim] that a decode step writes in place (one indexed store per
 layer, at each row's own position) and reads as the first `num_rows` slots, a contiguous view.
 Nothing is concatenated per step and no row is ever re-padded when another joins or leaves: a

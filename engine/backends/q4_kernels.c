@@ -1,6 +1,7 @@
 /* lockstep's kernels for the embedded model's own 4-bit weights: a matmul that reads GGUF's Q4_1 and Q8_0 blocks as
  * they are (so a decode step streams ~96 MB instead of 270 MB of bfloat16 or 540 MB of float32), and a whole decode
- * step of a Llama-shaped model in one call over a float32 slot KV cache. Built by engine/backends/q4.py with
+ * step of a Llama-shaped model in one call over a slot KV cache (float16 keys and values on 8-bit activations,
+ * float32 in the exact mode: see "Keys and values" below). Built by engine/backends/q4.py with
  * -O3 -march=native: AVX2 + FMA + F16C intrinsics where the CPU has them (and 16-column AVX-512 tiles with the same
  * bits where it has AVX-512), NEON intrinsics with the same bits on ARM64 (8-bit dot products by sdot where the core
  * has it, 16-bit multiply-adds on ARMv8.0), plain C (which the compiler vectorizes for whatever the host has)
