@@ -55,9 +55,12 @@ class OutputItems:
         self._close_reasoning()
         if self.message_at is not None:
             self._close_message(item_status(output))
-        for at in self.calls_at.values():  # calls cut short (their end never came)
-            self.items[at]["status"] = "incomplete"
-            self.emit("response.output_item.done", output_index=at, item=self.items[at])
+        for at in self.calls_at.values():  # calls cut short (their end never came): as far as they streamed
+            item = self.items[at]
+            item.update(arguments="".join(self.texts[at]), status="incomplete")
+            self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                      name=item["name"], arguments=item["arguments"])
+            self.emit("response.output_item.done", output_index=at, item=item)
         self.calls_at.clear()
         return self.items
 

@@ -269,6 +269,12 @@ def check_compiles(schema_text: str, max_output_chars: int = DEFAULT_MAX_OUTPUT_
         raise InvalidRequest(f"the response_format schema is not supported: {error[:300]}", PARAM)
 
 
+def schema_error(schema_text: str, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS) -> str:
+    """Why llguidance cannot use a JSON schema ("" where it can): the check of `check_compiles`, for a caller that
+    names the schema itself."""
+    return _compile_error(schema_text, "json", max_output_chars)
+
+
 def check_lark_compiles(lark: str, site: SchemaSite, max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS) -> None:
     """The same check for a Lark grammar (tool calls: their markup around each tool's schema)."""
     if error := _compile_error(lark, "lark", max_output_chars):

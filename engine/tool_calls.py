@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidRequest
 from .response_format import (DEFAULT_MAX_OUTPUT_CHARS, GRAMMAR_OPTIONS, LITERAL_KEYWORDS, SchemaSite,
-                              check_lark_compiles, checked_schema)
+                              check_lark_compiles, checked_schema, schema_error)
 
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
 MAX_DESCRIPTION_CHARS = 8192
@@ -134,8 +134,15 @@ def _tool(item, where: str, max_output_chars: int) -> FunctionTool:
     except ValueError:  # the body parser takes NaN and Infinity; JSON Schema has no such numbers
         raise InvalidRequest(f"{where}.function.parameters holds NaN or Infinity, which JSON does not have",
                              "tools") from None
+    if parameters.get("type", "object") != "object":
+        raise InvalidRequest(f"{where}.function.parameters must be a JSON Schema of type \"object\" (a call's "
+                             f"arguments are an object), not {str(parameters.get('type'))[:40]!r}", "tools")
     site = SchemaSite(f"{where}.function.parameters", "tools")
-    parameters = checked_schema({k: v for k, v in parameters.items() if k != "x-guidance"}, max_output_chars, site)
+    parameters = checked_schema({"type": "object", **{k: v for k, v in parameters.items() if k != "x-guidance"}},
+                                max_output_chars, site)
+    # compiled alone first, so that a refusal names this tool's schema rather than the grammar of every call
+    if error := schema_error(json.dumps(parameters, allow_nan=False), max_output_chars):
+        raise InvalidRequest(f"{where}.function.parameters is not supported: {error[:300]}", "tools")
     return FunctionTool(name, description, parameters)
 
 

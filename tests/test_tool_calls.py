@@ -42,9 +42,14 @@ def accepts(grammar: str, text: str) -> bool:
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "letters, digits"),
     ({"tools": [{"type": "retrieval"}]}, "tools", "only function tools"),
     ({"tools": TOOLS * 100}, "tools", "at most 128"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "minItems": 10**9}}}]},
-     "tools", "can never be met"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "minItems": 10**9}}}}}]}, "tools", "can never be met"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools",
+     'of type "object"'),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}]}, "tools",
+     "parameters is not supported: regex parse error"),
 ])
 def test_a_bad_tools_request_is_refused_naming_its_field(fields, param, words):
     with pytest.raises(InvalidRequest, match=words) as refused:

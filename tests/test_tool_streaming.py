@@ -110,6 +110,23 @@ def test_the_responses_socket_streams_function_call_events_and_the_turn_continue
         assert follow_up[-1].type in ("response.completed", "response.incomplete") and follow_up[-1].response.output
 
 
+def test_a_call_cut_short_ends_as_far_as_it_streamed(server):
+    """max_output_tokens ends a forced call midway: its item is incomplete, with the arguments its deltas carried."""
+    with sdk(server).responses.connect() as connection:
+        connection.response.create(model="smollm2", input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                                   tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=20,
+                                   **GREEDY)
+        events = []
+        while not events or events[-1].type not in ("response.completed", "response.incomplete", "error"):
+            events.append(connection.recv())
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    [item] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and item.status == "incomplete"
+    assert pieces and done.arguments == item.arguments == pieces
+    assert [o.arguments for o in events[-1].response.output] == [pieces]
+
+
 def test_an_agent_runs_a_function_tool_over_the_responses_socket(server):
     import agents
     import openai
