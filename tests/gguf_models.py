@@ -57,8 +57,10 @@ def tokenizer_fields(embedded_gguf) -> dict:
 
 def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, ...] = TYPE_CYCLE,
                 seed: int = 0, embedding_type: str = "Q8_0", add_bos_to: tuple[str, ...] = (),
-                prompts: tuple[tuple[int, ...], ...] = (), num_tokens: int = 8) -> dict:
+                prompts: tuple[tuple[int, ...], ...] = (), num_tokens: int = 8,
+                chat_template: str | None = None) -> dict:
     """`add_bos_to`: the families whose file says tokenizer.ggml.add_bos_token (the embedded model's says not).
+    `chat_template`: the file's own (else the embedded model's).
     `prompts`: token ids whose `num_tokens` greedy tokens (EOS ignored) the reference computes ("greedy")."""
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter, quants
@@ -77,6 +79,8 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
     write_hyperparameters(writer, config, family)
     fields = tokenizer_fields(read_gguf(str(find_gguf())))
     fields["tokenizer.ggml.add_bos_token"] = family in add_bos_to
+    if chat_template is not None:
+        fields["tokenizer.chat_template"] = chat_template
     for key, value in fields.items():
         add_metadata(writer, key, value)
     heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}

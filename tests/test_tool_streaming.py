@@ -15,6 +15,7 @@ from .client import WsClient, http
 from .conftest import sdk, start_live_server
 from .test_page import browser, last_answer, open_page, send, set_settings, wait_done  # noqa: F401
 from .test_tool_calls import ASK, RESPONSES_TOOLS, TOOLS, WEATHER_PARAMETERS
+from .torch_jobs import run_job
 
 GREEDY = {"temperature": 0}
 
@@ -256,6 +257,33 @@ def test_a_native_template_renders_the_tools_and_its_forced_call_streams(thinkin
     completion = Client(thinking_server.url).generate(**body)  # lockstep_client.py: the calls, no text
     assert completion.text is None and [c["function"]["name"] for c in completion.tool_calls] == ["now"]
     assert [(c["name"], c["arguments"]) for c in assembled_calls(result["events"])] == [("now", "{}")]
+
+
+@pytest.fixture(scope="module")
+def qwen3_file_server(tmp_path_factory, smol_model_dir):
+    """A Qwen3 GGUF file (random weights) whose own chat template is the Qwen3-style one above."""
+    target = tmp_path_factory.mktemp("qwen3-gguf")
+    files = run_job("build_gguf_models", target=str(target), families=["qwen3"], tokenizer_dir=smol_model_dir,
+                    chat_template=THINKING_TEMPLATE)
+    server = start_live_server(files["qwen3"]["gguf"], cache_dir=str(target / "cache"), threads=0)
+    yield server
+    server.stop()
+
+
+def test_a_qwen_family_file_calls_and_thinks_in_its_own_templates_format(qwen3_file_server):
+    url = qwen3_file_server.url
+    _, _, card = http("GET", url + "/v1/models")
+    model = card["data"][0]
+    assert model["architecture"] == "qwen3" and model["tool_call_format"] == "hermes" and model["reasoning"]
+    now = [{"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    status, _, chat = http("POST", url + "/v1/chat/completions", {
+        "messages": ASK, "tools": now, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 40,
+        "chat_template_kwargs": {"enable_thinking": False}, **GREEDY})
+    assert status == 200 and chat["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in chat["choices"][0]["message"]["tool_calls"]] == ["now"]
+    status, _, thought = http("POST", url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 16, **GREEDY})
+    assert status == 200 and thought["choices"][0]["message"]["reasoning_content"]
 
 
 # -- the page ------------------------------------------------------------------------------------------------
