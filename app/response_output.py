@@ -56,11 +56,7 @@ class OutputItems:
         if self.message_at is not None:
             self._close_message(item_status(output))
         for at in self.calls_at.values():  # calls cut short (their end never came): as far as they streamed
-            item = self.items[at]
-            item.update(arguments="".join(self.texts[at]), status="incomplete")
-            self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                      name=item["name"], arguments=item["arguments"])
-            self.emit("response.output_item.done", output_index=at, item=item)
+            self._close_call(at, "".join(self.texts[at]), "incomplete")
         self.calls_at.clear()
         return self.items
 
@@ -85,12 +81,14 @@ class OutputItems:
                 case ArgumentsDelta(index, text):
                     self._append(self.calls_at[index], "response.function_call_arguments.delta", text)
                 case CallEnd(index, call):
-                    at = self.calls_at.pop(index)
-                    item = self.items[at]
-                    item.update(arguments=call.arguments, status="completed")
-                    self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                              name=call.name, arguments=call.arguments)
-                    self.emit("response.output_item.done", output_index=at, item=item)
+                    self._close_call(self.calls_at.pop(index), call.arguments, "completed")
+
+    def _close_call(self, at: int, arguments: str, status: str) -> None:
+        item = self.items[at]
+        item.update(arguments=arguments, status=status)
+        self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=at, name=item["name"],
+                  arguments=arguments)
+        self.emit("response.output_item.done", output_index=at, item=item)
 
     def _reasoning(self, text: str) -> None:
         if self.reasoning_at is None:

@@ -288,15 +288,10 @@ class AnswerSplitter:
         return True
 
     def _in_reasoning(self) -> bool:
-        end = self.pending.find(THINK_CLOSE)
-        if end >= 0:
-            self._reasoning(self.pending[:end])
-            self.pending, self.stage = self.pending[end + len(THINK_CLOSE):], "content"
-            return True
-        keep = _partial_marker(self.pending, THINK_CLOSE)
-        self._reasoning(self.pending[:len(self.pending) - keep])
-        self.pending = self.pending[len(self.pending) - keep:]
-        return False
+        if not self._give_until(THINK_CLOSE, self._reasoning):
+            return False
+        self.stage = "content"
+        return True
 
     def _in_content(self) -> bool:
         if not self.shape.has_calls or not self._may_call():
@@ -305,16 +300,22 @@ class AnswerSplitter:
         tool_format = self.shape.tool_format
         if not tool_format.opening:
             return self._maybe_whole_answer_call()
-        marker = tool_format.opening.strip()
+        if not self._give_until(tool_format.opening.strip(), self._content):
+            return False
+        self._open_call()
+        return True
+
+    def _give_until(self, marker: str, give) -> bool:
+        """Give the pending text to `give` up to `marker`, which is dropped (True), or, where it has not come yet,
+        up to what may be its start (False: the rest waits for more)."""
         at = self.pending.find(marker)
         if at >= 0:
-            self._content(self.pending[:at])
+            give(self.pending[:at])
             self.pending = self.pending[at + len(marker):]
-            self._open_call()
             return True
-        keep = _partial_marker(self.pending, marker)
-        self._content(self.pending[:len(self.pending) - keep])
-        self.pending = self.pending[len(self.pending) - keep:]
+        kept = len(self.pending) - _partial_marker(self.pending, marker)
+        give(self.pending[:kept])
+        self.pending = self.pending[kept:]
         return False
 
     def _maybe_whole_answer_call(self) -> bool:
