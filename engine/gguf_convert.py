@@ -29,6 +29,10 @@ GEMMA3_27B_WIDTH = 5376  # llama.cpp scales Gemma 3 27B's attention by 1/sqrt(hi
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 SHARD_BYTES = 2 << 30
+# A folder keeps the file's weights in float32 up to this size (what vLLM and the model's own forward load, and the
+# tests' reference models); a bigger file's are never written out (a 7 B file would take 28 GB of disk and of
+# memory): every path reads them from the file itself (engine/backends/gguf_weights.py).
+FOLDER_WEIGHTS_MAX_BYTES = 2 << 30
 # Tokens that end a turn in the families lockstep serves (besides the file's own EOS): a chat answer stops there.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -39,16 +43,26 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
                 "output.weight": "lm_head.weight"}
 
 
-def write_folder(gguf: GGUFFile, target: Path) -> None:
-    """Config, generation config, tokenizer and weights of `gguf` into `target` (a new folder)."""
+def write_folder(gguf: GGUFFile, target: Path, weights: bool | None = None) -> bool:
+    """Config, generation config, tokenizer and (`weights`; None: where they fit FOLDER_WEIGHTS_MAX_BYTES) the
+    float32 weights of `gguf` into `target` (a new folder). Returns whether the weights were written."""
     hp = hyperparameters(gguf)
+    if weights is None:
+        weights = float32_bytes(gguf) <= FOLDER_WEIGHTS_MAX_BYTES
     tokenizer = build_tokenizer(gguf)
     config = hf_config(gguf, hp)
     target.mkdir(parents=True)
     config.save_pretrained(target)
     generation_config(config, tokenizer, gguf).save_pretrained(target)
     tokenizer.save_pretrained(target)
-    _write_weights(gguf, hp, target)
+    if weights:
+        _write_weights(gguf, hp, target)
+    return weights
+
+
+def float32_bytes(gguf: GGUFFile) -> int:
+    """The file's weights in float32."""
+    return 4 * sum(int(np.prod(tensor.shape, dtype=np.int64)) for tensor in gguf.tensors.values())
 
 
 def hf_config(gguf: GGUFFile, hp: Hyperparameters):

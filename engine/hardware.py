@@ -205,15 +205,17 @@ def _stat(directory: str, key: str) -> int:
     return 0
 
 
-def memory_headroom(proc: str = "/proc/self", meminfo: str = "/proc/meminfo") -> int | None:
+def memory_headroom(proc: str = "/proc/self", meminfo: str = "/proc/meminfo", mapped: int = 0) -> int | None:
     """Bytes this process's server may still take before the kernel kills one of its processes: the least of what its
     cgroups' memory limits leave (a container's `--memory`, a Kubernetes memory limit) and the machine's
-    MemAvailable; None where neither is known. Read when asked: it changes as the server grows."""
+    MemAvailable; None where neither is known. Read when asked: it changes as the server grows. `mapped`: bytes of
+    mapped files that must stay resident (the model's weights): MemAvailable counts their pages as page cache the
+    kernel could drop, a cgroup's working set already holds them (active file pages)."""
     rooms = [room for cgroup in cgroups("memory", proc) for room in cgroup.memory_headrooms()]
     try:
         available = next(int(line.split()[1]) * 1024 for line in _read(*os.path.split(meminfo)).splitlines()
                          if line.startswith("MemAvailable:"))
-        rooms.append(available)
+        rooms.append(max(0, available - mapped))
     except (OSError, ValueError, IndexError, StopIteration):  # not Linux, or a kernel older than 3.14
         pass
     return min(rooms) if rooms else None

@@ -3,8 +3,9 @@ Hugging Face cache. Nothing here ever downloads.
 
 A GGUF is checked first, in the server process and without torch (engine/gguf_file.py: a file lockstep will not
 serve stops the start with one line), then prepared once into the cache folder: engine/gguf_convert.py writes its
-config, tokenizer and dequantized weights into a folder named after the file, with a record of the file it came
-from (`SOURCE_RECORD`), so that a replaced file is prepared again and the 4-bit path finds the blocks. The embedded
+config, tokenizer and (for a file of at most gguf_convert.FOLDER_WEIGHTS_MAX_BYTES in float32) dequantized weights
+into a folder named after the file, with a record of the file it came from (`SOURCE_RECORD`), so that a replaced
+file is prepared again and every path finds the blocks (`gguf_source`). The embedded
 model's folder keeps its fixed name. Run `python -m engine.prepare_model [--gguf FILE]` to prepare ahead of time
 (the Makefile does for the default).
 """
@@ -52,7 +53,12 @@ def resolve_model(config: EngineConfig) -> str:
     if Path(config.model).is_dir():
         return str(Path(config.model).resolve())
     if Path(config.model).exists() or is_gguf(config.model):
-        return str(prepared_model(config.model, config.cache_dir))
+        folder = prepared_model(config.model, config.cache_dir)
+        if config.backend == "vllm" and not holds_weights(str(folder)):
+            raise UnsupportedModel(f"{config.model}: vLLM reads a folder's weights, and this file is too big to "
+                                   "keep them beside it in float32: serve it with LOCKSTEP_BACKEND=hf (the default)",
+                                   "model")
+        return str(folder)
     return _from_local_hub_cache(config.model)
 
 
@@ -137,14 +143,8 @@ def find_gguf() -> Path:
 def gguf_of(model_path: str, config: EngineConfig) -> str | None:
     """The GGUF whose blocks `model_path` was prepared from, while it is the same file; for a Hugging Face
     folder with `quantize` set, its weights' blocks in the cache (written first where missing); or None."""
-    record = source_record(Path(model_path))
-    if record is not None:
-        gguf = record.get("path")
-        try:
-            current = f"{Path(gguf).resolve()}:{os.stat(gguf).st_size}:{os.stat(gguf).st_mtime_ns}"
-        except (OSError, TypeError):
-            return None
-        return gguf if current == record.get("source") else None
+    if source_record(Path(model_path)) is not None:
+        return gguf_source(model_path)
     if config.quantize != "none" and gguf_export.architecture_of(model_path) is not None:
         return str(gguf_export.quantized_blocks(model_path, config.quantize, config.cache_dir))
     if Path(model_path).resolve() != default_model_dir(config.cache_dir).resolve():
@@ -156,12 +156,30 @@ def gguf_of(model_path: str, config: EngineConfig) -> str | None:
     return str(gguf) if gguf.exists() else None
 
 
+def gguf_source(model_path: str) -> str | None:
+    """The GGUF a folder was prepared from, while it is the same file (else None)."""
+    record = source_record(Path(model_path)) or {}
+    gguf = record.get("path")
+    try:
+        current = f"{Path(gguf).resolve()}:{os.stat(gguf).st_size}:{os.stat(gguf).st_mtime_ns}"
+    except (OSError, TypeError):
+        return None
+    return gguf if current == record.get("source") else None
+
+
+def holds_weights(model_path: str) -> bool:
+    """Whether a folder holds its weights (one prepared from a big GGUF does not: they are read from the file)."""
+    record = source_record(Path(model_path))
+    return record is None or record.get("weights", True) is not False
+
+
 def prepare_default_model(cache_dir: str) -> Path:
     return prepare_gguf_model(str(find_gguf()), cache_dir)
 
 
-def prepare_gguf_model(gguf_path: str, cache_dir: str) -> Path:
-    """Write a checked GGUF once as a Hugging Face folder (engine/gguf_convert.py); a no-op where done."""
+def prepare_gguf_model(gguf_path: str, cache_dir: str, weights: bool | None = None) -> Path:
+    """Write a checked GGUF once as a Hugging Face folder (engine/gguf_convert.py; `weights` as write_folder takes
+    it); a no-op where done."""
     checked = check_gguf(gguf_path)
     target = prepared_dir(gguf_path, cache_dir)
     if _source_of(target) == source_id(checked):
@@ -169,13 +187,14 @@ def prepare_gguf_model(gguf_path: str, cache_dir: str) -> Path:
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        write_folder(checked, partial)
+        with_weights = write_folder(checked, partial, weights)
     except InvalidGGUF as exc:
         shutil.rmtree(partial, ignore_errors=True)
         raise UnsupportedModel(str(exc), "model") from None
     (partial / SOURCE_RECORD).write_text(json.dumps({
         "source": source_id(checked), "path": str(Path(checked.path).resolve()),
-        "architecture": checked.architecture, "types": checked.type_counts()}, indent=1))
+        "architecture": checked.architecture, "types": checked.type_counts(), "weights": with_weights},
+        indent=1))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)  # atomic: a half-written folder is never mistaken for a model
     logger.info("%s prepared in %s", gguf_path, target)

@@ -2,7 +2,7 @@
 an affinity: the process still sees every core, and lockstep computes on no more threads than the quota's whole CPUs
 (engine/hardware.py, `available_cores`), and says so in /v1/models. Its memory limit must hold the server: on the
 4-bit path the model worker never holds a float32 copy of the projections (engine/backends/q4.py,
-`empty_float32_model`), so the whole server peaked at 727 MB in its cgroup where it took 1,379 MB; and its keys and
+`empty_model`), so the whole server peaked at 727 MB in its cgroup where it took 1,379 MB; and its keys and
 values must stay within what the limit leaves once the model is loaded (the KV budget and the context follow it:
 `memory_headroom`, `kv_budget_within`).
 
@@ -133,6 +133,10 @@ def test_v2_memory_headroom_is_the_least_limit_less_what_its_cgroup_holds(tmp_pa
     write(pod / "memory.current", f"{1900 * MB}\n")  # the pod's other containers grew: 2048 - (1900 - 400)
     assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 548 * MB
     assert memory_headroom(proc, meminfo_with(tmp_path, 300)) == 300 * MB  # the machine has less
+    # weights mapped from a file: MemAvailable counts their pages as droppable page cache, the cgroup as held
+    assert memory_headroom(proc, meminfo_with(tmp_path, 800), mapped=200 * MB) == 548 * MB
+    assert memory_headroom(proc, meminfo_with(tmp_path, 600), mapped=200 * MB) == 400 * MB
+    assert memory_headroom(proc, meminfo_with(tmp_path, 100), mapped=200 * MB) == 0
     write(ctr / "memory.current", f"{5000 * MB}\n")  # past its limit (as reported): none left, never negative
     assert memory_headroom(proc, meminfo_with(tmp_path, 8000)) == 0
 
@@ -297,7 +301,8 @@ def test_the_server_serves_a_batch_of_long_prompts_in_a_1_gib_memory_limit(memor
     try:
         (model,) = http("GET", live.url + "/v1/models")[2]["data"]
         assert "memory leaves" in model["kv_budget_reason"]
-        assert model["max_batch_kv_tokens"] < EngineConfig().max_batch_kv_tokens and model["max_model_len"] < 8192
+        # the budget cut to what the limit leaves (the context too, where even one context would not fit beside it)
+        assert model["max_batch_kv_tokens"] < min(EngineConfig().max_batch_kv_tokens, 4 * model["max_model_len"])
         context = model["max_model_len"]
         status, _, refused = http("POST", live.url + "/v1/completions",
                                   {"model": model["id"], "prompt": [200] * context, "max_tokens": 1})
@@ -341,11 +346,12 @@ def test_the_4_bit_paths_empty_model_given_the_blocks_is_from_pretrained_given_t
     from transformers import AutoModelForCausalLM
 
     from engine import EngineConfig
-    from engine.backends.q4 import Q4Weights, empty_float32_model
+    from engine.backends.gguf_weights import empty_model
+    from engine.backends.q4 import Q4Weights
     from engine.model_store import gguf_of
 
     loaded = AutoModelForCausalLM.from_pretrained(smol_model_dir, dtype=torch.float32).eval()
-    empty = empty_float32_model(smol_model_dir)
+    empty = empty_model(smol_model_dir)
     weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), loaded.config)
     for model in (loaded, empty):
         weights.give_model_the_same_weights(model)
@@ -367,10 +373,11 @@ def test_a_gguf_that_leaves_a_parameter_unwritten_is_refused(smol_model_dir):
     import torch
 
     from engine import EngineConfig
-    from engine.backends.q4 import Q4Weights, empty_float32_model
+    from engine.backends.gguf_weights import empty_model
+    from engine.backends.q4 import Q4Weights
     from engine.model_store import gguf_of
 
-    model = empty_float32_model(smol_model_dir)
+    model = empty_model(smol_model_dir)
     model.model.layers[0].mlp.down_proj.bias = torch.nn.Parameter(torch.empty(model.config.hidden_size))
     weights = Q4Weights.from_gguf(gguf_of(smol_model_dir, EngineConfig()), model.config)
     with pytest.raises(ValueError, match=r"no values for model\.layers\.0\.mlp\.down_proj\.bias"):

@@ -15,7 +15,7 @@ from app import STARTUP_FAILURE_EXIT_CODE, create_app
 from engine import EngineConfig, SamplingParams
 from engine.gguf_export import quantized_path
 from engine.gguf_file import InvalidGGUF, read_gguf
-from engine.model_store import SOURCE_RECORD, UnsupportedModel, prepared_dir, prepared_model
+from engine.model_store import SOURCE_RECORD, UnsupportedModel, prepared_dir, prepared_model, resolve_model
 
 from .client import http
 from .torch_jobs import REPO, run_job
@@ -288,3 +288,44 @@ def test_a_replaced_file_is_prepared_again(family_files, cache_dir, tmp_path):
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert json.loads((prepared_model(str(gguf), cache_dir) / SOURCE_RECORD).read_text())["source"] != first["source"]
+
+
+# -- a file too big for a float32 folder -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("gemma3", "bfloat16")])
+def test_a_file_too_big_for_a_float32_folder_is_served_from_the_file(family_files, family, dtype, make_engine,
+                                                                      cache_dir, tmp_path):
+    """A file whose float32 weights pass FOLDER_WEIGHTS_MAX_BYTES (a 7 B one: 28 GB) is prepared without them:
+    the model's own forward reads every weight from the file, the same parameters bit for bit as a folder that
+    holds them (llama: untied, q/k rows permuted; Gemma: tied, its norms stored as 1 + w), and the 4-bit kernels
+    serve it from the file's blocks and look its tokens up in them. vLLM, which reads a folder's weights, is
+    refused in one line."""
+    from engine.model_store import prepare_gguf_model
+
+    files, big_cache = family_files[family], str(tmp_path / "cache")
+    folder = prepare_gguf_model(files["gguf"], big_cache, weights=False)
+    assert not list(folder.glob("*.safetensors")) and json.loads((folder / SOURCE_RECORD).read_text())["weights"] is False
+    reference = prepared_model(files["gguf"], cache_dir)
+    assert list(reference.glob("*.safetensors"))
+    assert run_job("unequal_parameters", model_dir=str(folder), reference_dir=str(reference), dtype=dtype) == []
+    served, _ = _greedy(make_engine, files["gguf"], big_cache)  # the model's own forward, float32
+    assert served == [tuple(tokens) for tokens in files["greedy"]]
+    on_kernels, kernels_info = _greedy(lambda model, **kw: make_engine(model, dtype="auto", **kw),
+                                      files["gguf"], big_cache)
+    assert "4-bit kernels" in kernels_info.compute
+    assert on_kernels == _greedy(lambda model, **kw: make_engine(model, dtype="auto", **kw), files["gguf"],
+                                 cache_dir)[0]
+    with pytest.raises(UnsupportedModel, match="LOCKSTEP_BACKEND=hf"):
+        resolve_model(EngineConfig(model=files["gguf"], backend="vllm", cache_dir=big_cache))
+
+
+def test_a_folder_keeps_the_weights_of_a_small_file_only(family_files, tmp_path, monkeypatch):
+    from engine import gguf_convert
+    from engine.model_store import prepare_gguf_model
+
+    gguf = family_files["qwen3"]["gguf"]
+    needed = gguf_convert.float32_bytes(read_gguf(gguf))
+    monkeypatch.setattr(gguf_convert, "FOLDER_WEIGHTS_MAX_BYTES", needed)
+    assert list(prepare_gguf_model(gguf, str(tmp_path / "fits")).glob("*.safetensors"))
+    monkeypatch.setattr(gguf_convert, "FOLDER_WEIGHTS_MAX_BYTES", needed - 1)
+    assert not list(prepare_gguf_model(gguf, str(tmp_path / "too-big")).glob("*.safetensors"))

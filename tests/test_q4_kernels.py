@@ -3,6 +3,7 @@ why; the blocks are the model's weights; the matmul within its error bound and e
 batch, with or without the helper thread; a prompt chunked, whole or decoded token by token computes the same bits;
 quality against the float32 dequantized GGUF; the portable C under the capability mask; bad inputs refused. Each on
 8-bit activations (weights=q4, llama.cpp's arithmetic) and on float32 ones (weights=exact)."""
+import os
 import platform
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def test_the_matmul_of_a_short_or_uneven_k_within_its_bound_and_row_by_row(kerne
                 assert torch.equal(kernels.linear(x[row:row + 1], weight), together[row:row + 1])
 
 
-def test_interleaving_regroups_the_same_bytes(kernels, gguf_model):
+def test_interleaving_regroups_the_same_bytes_and_rows_read_back_from_either(kernels, gguf_model):
     _, weights = gguf_model
     for plain in (weights.layers[0].qkv, weights.lm_head):
         interleaved = kernels.interleaved(plain)
@@ -165,8 +166,11 @@ def test_interleaving_regroups_the_same_bytes(kernels, gguf_model):
             continue
         assert interleaved.format != plain.format and interleaved.blocks.shape == plain.blocks.shape
         assert torch.equal(interleaved.blocks.flatten().sort().values, plain.blocks.flatten().sort().values)
-        with pytest.raises(ValueError, match="plain"):
-            interleaved.dequantized()
+        # read back from the interleaved copy (the cache's layout), every row is the plain blocks' row
+        assert torch.equal(interleaved.dequantized(), plain.dequantized())
+        ids = torch.tensor([plain.out_features - 1, 0, 9, 9, 13])
+        assert torch.equal(interleaved.rows(ids), plain.dequantized()[ids])
+        assert torch.equal(kernels.dequantize_rows(plain, ids), interleaved.rows(ids))
 
 
 @torch.inference_mode()
@@ -528,6 +532,11 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
         kernels.linear(torch.ones(2, 100), weight)
     with pytest.raises(IndexError):
         kernels.dequantize_rows(weights.lm_head, torch.tensor([49152]))
+    for bad in ([49152], [-1]):  # the embedding's lookup, of the blocks or their interleaved copy
+        with pytest.raises(IndexError):
+            weights.token_rows(torch.tensor(bad))
+        with pytest.raises(IndexError):
+            kernels.interleaved(weights.lm_head).rows(torch.tensor(bad))
     with pytest.raises(ValueError):
         QuantizedWeight.concat(weights.layers[0].out, weights.layers[0].down)
     decoder = FastDecoder(model, q4=(kernels, weights))
@@ -539,7 +548,7 @@ def test_it_refuses_inputs_it_cannot_read(kernels, gguf_model):
         decoder.prefill_many([(torch.tensor([1, 2]), 0, decoder.new_prompt_cache(20)),
                               (torch.tensor([1, 2, 3]), KEY_BLOCK - 2, cache)])
     ids, positions, tables = torch.tensor([1, 2]), torch.tensor([0, 1]), SlotTables([(cache.keys, cache.values)])
-    hidden, (cos, sin) = decoder.embed[ids], decoder.rotary_table(positions)
+    hidden, (cos, sin) = decoder.token_rows(ids), decoder.rotary_table(positions)
     for slots, logit_rows in ((torch.tensor([0, 1]), torch.tensor([1])), (torch.tensor([0, 0]), torch.tensor([2])),
                               (torch.tensor([0, 0]), torch.tensor([0, 1, 1]))):  # no slot 1; no row 2; 3 of 2 rows
         with pytest.raises(ValueError):
@@ -567,3 +576,42 @@ def model_tokens(text: str) -> list[int]:
     from engine.model_store import default_model_dir
 
     return AutoTokenizer.from_pretrained(default_model_dir(default_cache_dir()))(text)["input_ids"]
+
+
+def test_the_blocks_are_repacked_once_and_mapped_from_the_cache_after(kernels, gguf_model, tmp_path, monkeypatch):
+    """The first start writes the blocks in the kernels' layout into the cache; later starts map them (no block is
+    repacked: the repack raises here) and read the very bytes; a replaced file is repacked again and its earlier
+    cache removed; a cache whose index was lost is rewritten, not read."""
+    from engine.backends import block_repack, q4
+    from engine.model_store import find_gguf
+
+    model, reference = gguf_model
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(find_gguf().read_bytes())
+    written = Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))
+    [folder] = (tmp_path / "cache" / "blocks").iterdir()
+    assert (folder / "index.json").exists() and not list(folder.parent.glob("*.partial"))
+
+    def no_repack(*args):
+        raise AssertionError("a cached block was repacked")
+
+    monkeypatch.setattr(q4, "kernel_blocks", no_repack)
+    mapped = Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))
+    for first, again, plain in ((written.lm_head, mapped.lm_head, reference.lm_head),
+                                (written.layers[3].gate_up, mapped.layers[3].gate_up, reference.layers[3].gate_up)):
+        assert again.format == kernels.interleaved(plain).format
+        assert torch.equal(again.blocks, first.blocks) and torch.equal(again.blocks, kernels.interleaved(plain).blocks)
+    assert str(folder / "blocks.bin") in open("/proc/self/maps").read()  # mapped, not read into memory
+    ids = torch.tensor([0, 1, 504, 49151])
+    assert torch.equal(mapped.token_rows(ids), model.get_input_embeddings().weight[ids])  # tied: the lm_head's rows
+    monkeypatch.setattr(q4, "kernel_blocks", block_repack.kernel_blocks)
+
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file replaced
+    Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))
+    [replaced] = (tmp_path / "cache" / "blocks").iterdir()
+    assert replaced != folder
+    (replaced / "index.json").write_text("{")
+    monkeypatch.setattr(q4, "kernel_blocks", no_repack)
+    with pytest.raises(AssertionError, match="repacked"):
+        Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))

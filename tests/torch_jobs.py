@@ -108,9 +108,27 @@ def same_blocks_greedy(model_dir: str, gguf: str, prompts: list[list[int]], num_
                                pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
 
 
+def unequal_parameters(model_dir: str, reference_dir: str, dtype: str) -> list[str]:
+    """The parameters (and buffers) of `model_dir`'s model as the worker loads it that differ from
+    `reference_dir`'s `from_pretrained`, both in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.backends.gguf_weights import load_model
+
+    loaded = load_model(model_dir, getattr(torch, dtype))
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=getattr(torch, dtype))
+    pairs = [(dict(loaded.named_parameters()), dict(reference.named_parameters())),
+             (dict(loaded.named_buffers()), dict(reference.named_buffers()))]
+    return sorted(set().union(*(set(a) ^ set(b) for a, b in pairs)) | {
+        name for a, b in pairs for name in set(a) & set(b)
+        if a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])})
+
+
 if __name__ == "__main__":
     job, arguments = sys.argv[1], json.loads(sys.argv[2])
     jobs = {"build_tiny_model": build_tiny_model, "recompute_greedy": recompute_greedy,
-            "build_gguf_models": build_gguf_models, "same_blocks_greedy": same_blocks_greedy}
+            "build_gguf_models": build_gguf_models, "same_blocks_greedy": same_blocks_greedy,
+            "unequal_parameters": unequal_parameters}
     result = jobs[job](**arguments)
     sys.stdout.write(json.dumps(result) + "\n")

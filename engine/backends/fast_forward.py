@@ -155,10 +155,10 @@ class FastDecoder:
         config, decoder = model.config, model.model
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.embed, self.rotary = decoder.embed_tokens.weight, decoder.rotary_emb
-        # Gemma scales the embedded tokens (by sqrt(hidden), in the weights' dtype, as its embedding module does)
+        self.token_rows, self.rotary = weights.token_rows, decoder.rotary_emb
+        # Gemma scales the embedded tokens (by sqrt(hidden), in float32 as its float32 embedding module does)
         scale = getattr(decoder.embed_tokens, "embed_scale", None)
-        self.embed_scale = None if scale is None else scale.to(self.embed.dtype)
+        self.embed_scale = None if scale is None else scale.to(torch.float32)
         is_gemma = config.model_type == "gemma3_text"
         kinds = set(getattr(config, "layer_types", None) or ()) if is_gemma else set()  # the module's tables
         self.rotary_table = RotaryTable(self.rotary, min(kinds) if kinds else None)  # "full_attention" first
@@ -191,7 +191,7 @@ class FastDecoder:
 
     def _q4_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches: SlotTables,
                  logit_rows: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed[token_ids]  # [N, hidden]
+        hidden = self.token_rows(token_ids)  # [N, hidden]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         cos, sin = self.rotary_table(positions)  # [N, head_dim] each

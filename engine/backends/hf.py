@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from ..config import EngineConfig
 from ..errors import describe
@@ -40,8 +40,8 @@ from .constrained import GrammarCompiler
 from .fast_forward import FastDecoder
 from .kv_cache import RowKVCache, SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
-from .q4 import (FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Kernels, Q4Weights,
-                 empty_float32_model, load_q4_kernels)
+from .gguf_weights import empty_model, load_model
+from .q4 import FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Kernels, Q4Weights, load_q4_kernels
 from .sampler import TokenSampler, add_prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ class HFBackend(Backend):
         if why_not:
             self.compute_reason += f" ({why_not})"
         if q4_mode and gguf is not None:  # every parameter comes from the GGUF: the safetensors are not read
-            self.model = empty_float32_model(model_path)
+            self.model = empty_model(model_path)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+            self.model = load_model(model_path, DTYPES[dtype])
         self.model.to(self.device).eval()
         q4 = self._q4(config, gguf, host, exact=q4_mode == "exact") if q4_mode else None
         self.compute_reason = _quantize_note(config, model_path, q4 is not None) + self.compute_reason
@@ -132,6 +132,8 @@ class HFBackend(Backend):
                                         q4=q4 if use_fast else None) if use_fast else None
         if q4 is not None and not use_fast:
             self.compute_reason += "; without the fast forward, the model's own on the same weights in float32"
+        # the blocks mapped from the cache: resident as page cache, which MemAvailable counts as free
+        self.mapped_weight_bytes = q4[1].mapped_bytes if q4 is not None else 0
         del q4  # the GGUF's blocks as read (the kernels keep their own layout): freed before memory is measured
         self.rows: list[Row] = []  # row i decodes in slot i of `cache`
         # made when the first row joins: each row its own on the 4-bit path, else one padded tensor per layer
@@ -191,7 +193,7 @@ class HFBackend(Backend):
         if self.device.type != "cpu":
             return
         release_freed_memory()
-        headroom = memory_headroom()
+        headroom = memory_headroom(mapped=self.mapped_weight_bytes)
         budget = kv_budget_within(None if headroom is None else headroom // config.model_copies,
                                   self._kv_bytes_per_position(), config.max_batch_kv_tokens, self.info.max_model_len,
                                   self._min_decode_rows())
@@ -225,15 +227,15 @@ class HFBackend(Backend):
         if gguf is None:
             self.compute_reason = f"weights={config.weights}, but this model has no 4-bit GGUF; float32"
             return None
-        # ValueError: not a layout the kernels read
-        weights = Q4Weights.from_gguf(gguf, self.model.config)
         # every core during a step (helpers that sleep between steps); LOCKSTEP_KERNEL_HELPER_ROWS=0: one thread
         helpers = max(0, host.num_cores - 1) if config.kernel_helper_rows else 0
         kernels = load_q4_kernels(config.cache_dir, helpers, exact)
-        if kernels is None:
-            weights.give_model_the_same_weights(self.model)
+        if kernels is None:  # ValueError: not a layout the kernels read
+            Q4Weights.from_gguf(gguf, self.model.config).give_model_the_same_weights(self.model)
             self.compute_reason = "no 4-bit kernels here (see the log); the same weights in float32"
             return None
+        # the blocks in the kernels' layout, repacked once into the cache and mapped from there
+        weights = Q4Weights.from_gguf(gguf, self.model.config, kernels, config.cache_dir)
         self.compute_reason = {
             "auto": "auto: the model ships 4-bit weights (lockstep's 4-bit kernels read them as they are)",
             "q4": "configured: weights=q4",

@@ -22,6 +22,7 @@ from torch import nn
 from ..gguf_file import GGUFFile, read_gguf
 from ..hardware import cpu_flags
 from ..memory import release_freed_memory
+from .block_cache import BlockCache
 from .block_repack import REPACKED, kernel_blocks, q8_0_of
 from .c_build import built_library, find_compiler
 
@@ -40,6 +41,7 @@ BLOCK = 32
 FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
 BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34}
 INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
+PLAIN = {interleaved: plain for plain, interleaved in INTERLEAVED.items()}
 PROBE_ROWS = 19
 # what lockstep_q4_forward computes (norms, biases: Q4Layer; Gemma 3's GeGLU, windows and local rotary: Q4Stack)
 KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -239,18 +241,31 @@ class QuantizedWeight:
 
     def dequantized(self) -> torch.Tensor:
         """float32, as gguf-py dequantizes (d * q, then + m)."""
-        if self.format not in (FORMAT_Q4_1, FORMAT_Q8_0):
-            raise ValueError("dequantize the plain Q4_1 blocks, not their interleaved copy")
-        raw = self.blocks.numpy().reshape(self.out_features, -1, BLOCK_BYTES[self.format])
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` in float32 (the tied embedding's lookup), from the plain blocks or their interleaved copy."""
+        ids = ids.to(torch.int64).reshape(-1).numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
+            raise IndexError("token id outside the vocabulary")
+        plain = PLAIN.get(self.format, self.format)
+        size = BLOCK_BYTES[plain]
+        raw = self.blocks.numpy()
+        if plain == self.format:
+            raw = raw[ids].reshape(len(ids), -1, size)
+        else:  # each group of 8 rows holds block b of its rows together: gather row j's bytes from it
+            groups = raw.reshape(self.out_features // 8, self.in_features // BLOCK, 8 * size)[ids // 8]
+            positions = _interleaved_positions(plain)[ids % 8]  # [rows, size]
+            raw = np.take_along_axis(groups, positions[:, None, :], axis=2)
         scale = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
-        if self.format == FORMAT_Q4_1:
+        if plain == FORMAT_Q4_1:
             minimum = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
             nibbles = raw[..., 4:]
             values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)
             dense = scale * values + minimum
         else:
             dense = scale * raw[..., 2:].copy().view(np.int8).astype(np.float32)
-        return torch.from_numpy(dense.reshape(self.out_features, self.in_features))
+        return torch.from_numpy(dense.reshape(len(ids), self.in_features))
 
     @staticmethod
     def concat(*weights: "QuantizedWeight") -> "QuantizedWeight":
@@ -357,11 +372,12 @@ class Q4Weights:
     """A model's blocks from its GGUF, as the kernels read them (block_repack.py: Q4_1 or Q8_0): per layer the
     fused q/k/v, output, fused gate/up and down (with Qwen2's biases, Qwen3's and Gemma 3's q/k norms), the
     lm_head (the tied token embedding where there is no output.weight); `embedding`, an untied model's token
-    embedding dequantized (None where tied)."""
+    embedding, looked up in the file (None where tied)."""
 
     def __init__(self, layers: list[Q4Layer], lm_head: QuantizedWeight, norms: dict[str, torch.Tensor],
-                 embedding: torch.Tensor | None = None):
+                 embedding: "FileRows | None" = None):
         self.layers, self.lm_head, self.norms, self.embedding = layers, lm_head, norms, embedding
+        self.mapped_bytes = 0  # of blocks mapped from the cache (block_cache.py)
 
     @staticmethod
     def layout_problem(path: str) -> str:
@@ -376,10 +392,19 @@ class Q4Weights:
         return ""
 
     @classmethod
-    def from_gguf(cls, path: str, config) -> "Q4Weights":
+    def from_gguf(cls, path: str, config, kernels: "Q4Kernels | None" = None, cache_dir: str = "") -> "Q4Weights":
         """Raises ValueError for a GGUF whose tensors are not a Llama layout these kernels read. The tensors are
-        read from the file in place (memory-mapped) and repacked once, here."""
+        read from the file in place (memory-mapped) and repacked here; with `kernels` and `cache_dir`, once, into
+        the cache in the layout those kernels read (block_cache.py), and mapped from there."""
         gguf = read_gguf(path)
+        store = None
+        if kernels is not None and cache_dir:
+            store = BlockCache(cache_dir, path, "interleaved" if kernels.interleaves else "plain",
+                               kernels.interleaved)
+
+        def cached(name: str, make) -> QuantizedWeight:
+            return make() if store is None else store.weight(name, make)
+
         if gguf.architecture not in KERNEL_ARCHITECTURES:
             raise ValueError(f"the 4-bit kernels do not run {gguf.architecture} files")
         # convert_hf_to_gguf permutes llama's q/k rows only
@@ -429,11 +454,13 @@ class Q4Weights:
                 extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") - shift
                                for p in "qk"})
             layers.append(Q4Layer(
-                qkv=weight(blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
-                           blocks(block + "attn_v.weight")),
-                out=weight(blocks(block + "attn_output.weight")),
-                gate_up=weight(blocks(block + "ffn_gate.weight"), blocks(block + "ffn_up.weight")),
-                down=weight(blocks(block + "ffn_down.weight")),
+                qkv=cached(block + "qkv", lambda: weight(
+                    blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
+                    blocks(block + "attn_v.weight"))),
+                out=cached(block + "out", lambda: weight(blocks(block + "attn_output.weight"))),
+                gate_up=cached(block + "gate_up", lambda: weight(blocks(block + "ffn_gate.weight"),
+                                                                 blocks(block + "ffn_up.weight"))),
+                down=cached(block + "down", lambda: weight(blocks(block + "ffn_down.weight"))),
                 qkv_bias=torch.cat([extras[f"{attention}{p}_proj.bias"] for p in "qkv"]) if extras and
                 gguf.architecture == "qwen2" else None,
                 q_norm=multiplier(extras.get(f"{attention}q_norm.weight")),
@@ -448,11 +475,18 @@ class Q4Weights:
             else:
                 norms[layer + "post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
         untied = "output.weight" in gguf.tensors
-        lm_head = weight(blocks("output.weight" if untied else "token_embd.weight"))
-        embedding = None
-        if untied:  # looked up, never multiplied: the file's own values, dequantized
-            embedding = torch.from_numpy(_dequantized_rows(gguf, "token_embd.weight"))
-        return cls(layers, lm_head, norms, embedding)
+        lm_head = cached("lm_head", lambda: weight(blocks("output.weight" if untied else "token_embd.weight")))
+        if store is not None:
+            store.commit()
+        # looked up, never multiplied: the file's own values, dequantized
+        weights = cls(layers, lm_head, norms, FileRows(gguf, "token_embd.weight") if untied else None)
+        weights.mapped_bytes = store.size if store is not None else 0
+        return weights
+
+    def token_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of tokens `ids` [N] -> [N, hidden] float32: an untied file's own rows, else the tied
+        lm_head's (the very blocks the logits are computed with)."""
+        return (self.embedding or self.lm_head).rows(ids)
 
     @classmethod
     def of_embedded_model(cls, config, cache_dir: str = "") -> "Q4Weights":
@@ -465,9 +499,10 @@ class Q4Weights:
     def give_model_the_same_weights(self, model: nn.Module, projections: bool = True) -> None:
         """The model's own parameters become these blocks dequantized (float32): its forward, the reference of
         the tests, then computes with the very numbers the kernels read. `projections=False` where these kernels
-        compute every step and every prompt: the model's float32 copies of its layers' projections (and of an
-        untied lm_head) would never be read, so they are released instead (405 MB of the embedded model's weights
-        not held twice); the norms and the embedding, which looks tokens up, are given as ever."""
+        compute every step and every prompt: the model's float32 copies of its layers' projections, of its token
+        embedding (`token_rows` looks tokens up in the blocks) and of an untied lm_head would never be read, so they
+        are released instead (the embedded model's 405 + 113 MB, a Llama 3 8 B's 30 GB); the norms are given as
+        ever."""
         if model.dtype != torch.float32:
             raise ValueError("the 4-bit kernels run beside a float32 model")
         if not projections:
@@ -492,54 +527,28 @@ class Q4Weights:
             write(parameters[mlp + "up_proj.weight"], up)
             write(parameters[attention + "o_proj.weight"], layer.out.dequantized())
             write(parameters[mlp + "down_proj.weight"], layer.down.dequantized())
-        write(model.get_input_embeddings().weight,
-              self.embedding if self.embedding is not None else self.lm_head.dequantized())
+        if projections:
+            write(model.get_input_embeddings().weight, (self.embedding or self.lm_head).dequantized())
         if projections and _has_own_lm_head(model):
             write(model.lm_head.weight, self.lm_head.dequantized())
         unwritten = [name for name, parameter in parameters.items()
                      if parameter.numel() and id(parameter) not in written]
-        if unwritten:  # an empty_float32_model's would hold whatever its memory held
+        if unwritten:  # an empty_model's would hold whatever its memory held
             raise ValueError(f"the GGUF gives no values for {', '.join(unwritten[:3])}")
 
 
-def empty_float32_model(model_path: str) -> nn.Module:
-    """The model's architecture in float32, its parameters allocated but never written, so not yet resident: on the
-    4-bit path `give_model_the_same_weights` writes every one of them from the GGUF (or releases it), so loading the
-    safetensors first only held the embedded model's 540 MB float32 copy at start for nothing (the worker's peak
-    1,116 MB with it). Buffers (the rotary angles) are computed as `from_pretrained` computes them, and weights are
-    tied as it ties them."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
-    allocated: dict[int, nn.Parameter] = {}  # a tied parameter is one object under two names
-    for module in model.modules():
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            if id(parameter) not in allocated:
-                allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape, dtype=torch.float32),
-                                                        requires_grad=False)
-            setattr(module, name, allocated[id(parameter)])
-    model.tie_weights()  # as from_pretrained leaves it (an lm_head tied to the embedding is one tensor)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(model_path)
-    except OSError:  # none shipped: from_config's, made from the model's config
-        pass
-    return model.eval()
-
-
 def _release_projections(model: nn.Module) -> None:
-    linears = [module for layer in model.model.layers
+    modules = [module for layer in model.model.layers
                for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                               layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if _has_own_lm_head(model):
-        linears.append(model.lm_head)
-    released = sum(linear.weight.numel() * linear.weight.element_size() for linear in linears)
-    for linear in linears:
-        linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    modules += [model.get_input_embeddings(), model.lm_head]
+    released = sum(weight.numel() * weight.element_size()
+                   for weight in {id(m.weight): m.weight for m in modules}.values())
+    for module in modules:
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     release_freed_memory()
-    logger.info("the model's float32 copies of its projections released (the 4-bit kernels compute every step and "
-                "prompt on the blocks): %.0f MB", released / 2**20)
+    logger.info("the model's float32 copies of its projections and embedding released (the 4-bit kernels compute "
+                "every step and prompt on the blocks): %.0f MB", released / 2**20)
 
 
 def _has_own_lm_head(model: nn.Module) -> bool:
@@ -580,7 +589,7 @@ class Q4Stack:
         if self.num_layers == 0 or self.num_heads % self.num_kv_heads or self.head_dim % 8 \
                 or self.num_heads // self.num_kv_heads > 8 or self.hidden % BLOCK or self.intermediate % BLOCK \
                 or any((getattr(layer, name).out_features, getattr(layer, name).in_features) != dims
-                       or getattr(layer, name).format not in (FORMAT_Q4_1, FORMAT_Q8_0)
+                       or getattr(layer, name).format not in BLOCK_BYTES
                        for layer in weights.layers for name, dims in expected.items()) \
                 or weights.lm_head.in_features != self.hidden:
             raise ValueError("the 4-bit decode step cannot run this model: shapes it does not take")
@@ -607,6 +616,40 @@ class Q4Stack:
         self._tensors = tensors
         self.pointers = (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
         self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
+
+
+def _interleaved_positions(format_: int) -> np.ndarray:
+    """[8, block bytes]: where byte i of row j's block lies in its group of 8 rows (lockstep_q4_interleave's layout:
+    the 8 rows' d, then their m for Q4_1, then vectors of 32 bytes, vector v holding bytes 4v..4v+3 of each row)."""
+    header = 4 if format_ == FORMAT_Q4_1 else 2
+    positions = np.empty((8, BLOCK_BYTES[format_]), dtype=np.int64)
+    for j in range(8):
+        quants = [8 * header + 32 * (i // 4) + 4 * j + i % 4 for i in range(BLOCK_BYTES[format_] - header)]
+        positions[j] = [2 * j, 2 * j + 1, *([16 + 2 * j, 17 + 2 * j] if header == 4 else []), *quants]
+    return positions
+
+
+class FileRows:
+    """An untied token embedding looked up in the mapped file: the rows asked for, dequantized (the file's own
+    numbers, gguf-py's), so the table is never held in float32 (2.1 GB for a Llama 3 8 B)."""
+
+    def __init__(self, gguf: GGUFFile, name: str):
+        self.gguf, self.name = gguf, name
+        self.type = gguf.tensors[name].type_name
+        self.out_features, self.in_features = gguf.tensors[name].shape[::-1]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        ids = ids.to(torch.int64).reshape(-1).numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
+            raise IndexError("token id outside the vocabulary")
+        data = self.gguf.tensor_data(self.name)[ids]
+        values = quants.dequantize(data, GGMLQuantizationType[self.type])
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(len(ids), self.in_features))
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.from_numpy(_dequantized_rows(self.gguf, self.name))
 
 
 def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
