@@ -27,7 +27,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class LockstepError(Exception):
-    """An error answer: `code` and `param` as the server sent them (see the README's table), `status` over REST."""
+    """An error answer: `code` and `param` as the server sent them (see docs/api.md's table), `status` over REST."""
 
     def __init__(self, message: str, code: str = "error", param: str | None = None, status: int | None = None):
         super().__init__(f"{code}: {message}")

@@ -20,8 +20,8 @@ MAX_MESSAGES = 256
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_PARAM_CHARS = 64  # a field name echoed back in an error (names are the client's: keep them short)
 STREAM_HINT = ("streaming is served over WebSocket: OpenAI clients through the Responses API's WebSocket mode "
-               "(ws://HOST/v1/responses; the official SDK: client.responses.connect()), others at /ws (see the "
-               "README); send \"stream\": false or omit it")
+               "(ws://HOST/v1/responses; the official SDK: client.responses.connect()), others at /ws (see "
+               "docs/api.md); send \"stream\": false or omit it")
 
 # What the engine's SamplingParams reads (including what the sampling and JSON-mode work adds), on every endpoint.
 SAMPLING = frozenset({
@@ -29,7 +29,7 @@ SAMPLING = frozenset({
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "best_of",
     "logprobs", "top_logprobs", "echo", "response_format",
 })
-# vLLM's field: requests share cached prompt prefixes only with requests of the same salt (README: prefix cache).
+# vLLM's field: requests share cached prompt prefixes only with requests of the same salt (docs/api.md: prefix cache).
 CACHE_SALT = frozenset({"cache_salt"})
 # vLLM's field: arguments for the chat template (of them, enable_thinking: app/chat_request.py).
 TEMPLATE_ARGS = frozenset({"chat_template_kwargs"})
