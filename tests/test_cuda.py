@@ -115,3 +115,23 @@ def test_json_mode_and_logprobs_on_the_gpu(gpu_engine):
     for entry in output.logprobs:
         ranked = [logprob for _, logprob in entry.top]
         assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True) and all(lp <= 0 for lp in ranked)
+
+
+def test_a_gguf_file_is_served_on_the_gpu_from_its_weights_read_in_bfloat16(make_engine, tmp_path, request):
+    """A GGUF on CUDA: its weights dequantized (gguf-py's numbers) and cast to bfloat16 for the model's own forward on
+    the GPU, from a prepared folder's float32 copy or, for a file too big for one, from the file itself: the same
+    parameters, so the same greedy tokens."""
+    from engine.model_store import prepare_gguf_model
+
+    tokenizer_dir = os.environ.get(TOKENIZER_ENV) or request.getfixturevalue("smol_model_dir")
+    files = run_job("build_gguf_models", target=str(tmp_path / "gguf"), families=["qwen2"],
+                    tokenizer_dir=tokenizer_dir)["qwen2"]
+    answers = []
+    for weights in (True, False):
+        cache_dir = str(tmp_path / f"cache-{weights}")
+        prepare_gguf_model(files["gguf"], cache_dir, weights=weights)
+        engine = make_engine(files["gguf"], cache_dir=cache_dir, device="cuda", dtype="bfloat16")
+        assert engine.info.device.startswith("cuda") and engine.info.dtype == "bfloat16"
+        answers.append([output.output_token_ids for output in engine.generate(PROMPTS, GREEDY_32)])
+        engine.shutdown()
+    assert answers[0] == answers[1] and len({tuple(tokens) for tokens in answers[0]}) == len(PROMPTS)

@@ -615,3 +615,32 @@ def test_the_blocks_are_repacked_once_and_mapped_from_the_cache_after(kernels, g
     monkeypatch.setattr(q4, "kernel_blocks", no_repack)
     with pytest.raises(AssertionError, match="repacked"):
         Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("type_name, block_bytes", [("Q4_K", 144), ("Q6_K", 210)])
+def test_the_c_repack_of_k_quants_writes_the_numpy_repacks_bytes(kernels, type_name, block_bytes):
+    """block_repack.py's numpy is the reference (gguf-py's dequantization and Q8_0 rounding); the C that repacks a
+    big file's Q4_K and Q6_K tensors writes the same bytes: normal, tiny (float16 subnormal) and zero scales, and
+    for Q4_K a scale past float16's range refused alike (the tensor then rounded to Q8_0)."""
+    from engine.backends.block_repack import kernel_blocks
+
+    rng = np.random.default_rng(7)
+    rows, columns = 64, 1024
+    data = rng.integers(0, 256, (rows, columns // 256 * block_bytes), dtype=np.uint8)
+    blocks = data.reshape(rows, -1, block_bytes)
+    scales = (rng.standard_normal(blocks.shape[:2]) * 1e-2).astype(np.float16)
+    scales[:4] = np.float16(1e-7)  # subnormal
+    scales[4:6] = 0
+    offset = 0 if type_name == "Q4_K" else 208
+    blocks[..., offset:offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if type_name == "Q4_K":
+        blocks[..., 2:4] = np.abs(scales).view(np.uint8).reshape(*blocks.shape[:2], 2)
+    expected, written = kernel_blocks(type_name, data, rows), kernel_blocks(type_name, data, rows, kernels)
+    assert expected[0] == written[0] and np.array_equal(expected[1], written[1])
+    if type_name == "Q4_K":
+        assert kernels.q4_k_as_q4_1(data) is not None
+        blocks[7, 0, 0:2] = np.frombuffer(np.float16(60000).tobytes(), np.uint8)  # d sc past float16
+        assert kernels.q4_k_as_q4_1(data) is None
+        with np.errstate(over="ignore"):
+            expected, written = kernel_blocks(type_name, data, rows), kernel_blocks(type_name, data, rows, kernels)
+        assert expected[0] == written[0] and np.array_equal(expected[1], written[1])

@@ -74,6 +74,12 @@ class Q4Kernels:
                                   pointer, pointer, pointer, size, pointer, pointer, pointer, pointer,
                                   ctypes.c_float, pointer, pointer, size, integer, integer]
         self._forward.restype = ctypes.c_int
+        self._q4_k_as_q4_1 = library.lockstep_q4_k_as_q4_1
+        self._q4_k_as_q4_1.argtypes = [pointer, size, pointer]
+        self._q4_k_as_q4_1.restype = ctypes.c_int
+        self._q6_k_as_q8_0 = library.lockstep_q6_k_as_q8_0
+        self._q6_k_as_q8_0.argtypes = [pointer, size, pointer]
+        self._q6_k_as_q8_0.restype = None
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
         self._interleave.restype = None
@@ -115,6 +121,20 @@ class Q4Kernels:
         self._interleave(weight.blocks.data_ptr(), weight.format, weight.out_features, weight.in_features,
                          out.data_ptr())
         return QuantizedWeight(out, INTERLEAVED[weight.format], weight.out_features, weight.in_features)
+
+    def q4_k_as_q4_1(self, data: np.ndarray) -> np.ndarray | None:
+        """block_repack's Q4_K repack, in C (the same bytes): None where a scale does not fit float16."""
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        out = np.empty((data.shape[0], data.shape[1] // 144 * 8 * 20), dtype=np.uint8)
+        failed = self._q4_k_as_q4_1(data.ctypes.data, data.size // 144, out.ctypes.data)
+        return None if failed else out
+
+    def q6_k_as_q8_0(self, data: np.ndarray) -> np.ndarray:
+        """block_repack's Q6_K repack (dequantized, rounded to Q8_0), in C (the same bytes)."""
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        out = np.empty((data.shape[0], data.shape[1] // 210 * 8 * 34), dtype=np.uint8)
+        self._q6_k_as_q8_0(data.ctypes.data, data.size // 210, out.ctypes.data)
+        return out
 
     def linear(self, x: torch.Tensor, weight: "QuantizedWeight") -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
@@ -416,7 +436,7 @@ class Q4Weights:
             if tensor is None or len(tensor.shape) != 2:
                 raise ValueError(f"{name}: missing or not a matrix")
             in_features, out_features = tensor.shape
-            format_, data = kernel_blocks(tensor.type_name, gguf.tensor_data(name), out_features)
+            format_, data = kernel_blocks(tensor.type_name, gguf.tensor_data(name), out_features, kernels)
             if permute_heads:  # convert_hf_to_gguf's q/k row permutation, undone (transformers' row order)
                 data = data.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
                     .swapaxes(1, 2).reshape(out_features, -1)

@@ -1705,6 +1705,99 @@ void lockstep_q4_dequantize_rows(const uint8_t *weight, int format, const int64_
             dequantize_block(weight + ids[i] * row_bytes + b * block_bytes(format), format, out + i * k + b * BLOCK);
 }
 
+/* ---- K-quant blocks repacked as the kernels' (block_repack.py's numpy, in C: a 7 B file's 4 GB in seconds, not
+ * minutes). Bit for bit the numpy's: float32 products in the same order, float16 rounded to nearest even, Q8_0's
+ * steps rounded half away from zero (ggml's roundf, gguf-py's np_roundf). */
+
+/* float32 -> float16, rounded to nearest even, overflow to infinity (ggml's portable fp32_to_fp16). */
+static uint16_t float_to_half(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t w, bits;
+    memcpy(&w, &f, 4);
+    const uint32_t doubled = w + w, sign = w & 0x80000000u;
+    uint32_t bias = doubled & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float rounder;
+    memcpy(&rounder, &bias_bits, 4);
+    base = rounder + base;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (doubled > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+static inline void write_half(uint8_t *out, uint16_t h) { out[0] = (uint8_t)(h & 0xFF); out[1] = (uint8_t)(h >> 8); }
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum. */
+static inline void k4_scale_min(int j, const uint8_t *q, int *scale, int *minimum) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *minimum = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Each 256-value Q4_K block (d, dmin, 12 bytes of scales, 128 of nibbles) as 8 Q4_1 blocks: d sc and -dmin m in
+ * float16, value i of a sub-block in byte i's low nibble, value i + 16 in its high one. Returns 0, or -1 where a
+ * scale does not fit float16 (the caller then rounds the tensor to Q8_0). */
+int lockstep_q4_k_as_q4_1(const uint8_t *in, int64_t blocks, uint8_t *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = in + b * 144, *qs = block + 16;
+        const float d = half_to_float(read_half(block)), dmin = half_to_float(read_half(block + 2));
+        for (int j = 0; j < 8; j++) {
+            int scale, minimum;
+            k4_scale_min(j, block + 4, &scale, &minimum);
+            const uint16_t hd = float_to_half(d * (float)scale), hm = float_to_half(-(dmin * (float)minimum));
+            if ((hd & 0x7C00) == 0x7C00 || (hm & 0x7C00) == 0x7C00) return -1;
+            uint8_t *target = out + (b * 8 + j) * Q4_1_BYTES;
+            write_half(target, hd);
+            write_half(target + 2, hm);
+            const uint8_t *chunk = qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int i = 0; i < 16; i++)
+                target[4 + i] = (uint8_t)(((chunk[i] >> shift) & 0x0F) | (((chunk[i + 16] >> shift) & 0x0F) << 4));
+        }
+    }
+    return 0;
+}
+
+/* 32 values as a Q8_0 block, as gguf-py (and ggml's reference) quantizes. */
+static void q8_0_block(const float *x, uint8_t *out) {
+    float amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax; /* no NaN in a block's values */
+    const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    write_half(out, float_to_half(d));
+    int8_t q[BLOCK];
+    for (int i = 0; i < BLOCK; i++) { /* roundf (half away from zero) as np_roundf computes it, vectorized */
+        const float v = x[i] * inverse, a = fabsf(v), whole = floorf(a), step = whole + floorf(2.0f * (a - whole));
+        q[i] = (int8_t)copysignf(step, v);
+    }
+    memcpy(out + 2, q, BLOCK);
+}
+
+/* Each 256-value Q6_K block (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d) dequantized as
+ * ggml's dequantize_row_q6_K computes it, then rounded to 8 Q8_0 blocks. */
+void lockstep_q6_k_as_q8_0(const uint8_t *in, int64_t blocks, uint8_t *out) {
+    float y[256];
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *ql = in + b * 210, *qh = ql + 128;
+        const int8_t *scales = (const int8_t *)(ql + 192);
+        const float d = half_to_float(read_half(ql + 208));
+        for (int half = 0; half < 2; half++)
+            for (int l = 0; l < 32; l++) {
+                const int at = half * 128 + l, s = half * 8 + l / 16;
+                const uint8_t low = ql[half * 64 + l], high = ql[half * 64 + l + 32], bits = qh[half * 32 + l];
+                y[at] = (d * (float)scales[s]) * (float)((int)((low & 0x0F) | ((bits & 3) << 4)) - 32);
+                y[at + 32] = (d * (float)scales[s + 2]) * (float)((int)((high & 0x0F) | (((bits >> 2) & 3) << 4)) - 32);
+                y[at + 64] = (d * (float)scales[s + 4]) * (float)((int)((low >> 4) | (((bits >> 4) & 3) << 4)) - 32);
+                y[at + 96] = (d * (float)scales[s + 6]) * (float)((int)((high >> 4) | (((bits >> 6) & 3) << 4)) - 32);
+            }
+        for (int g = 0; g < 8; g++) q8_0_block(y + g * BLOCK, out + (b * 8 + g) * Q8_0_BYTES);
+    }
+}
+
 /* ---- The rest of a decode step, in float32 as transformers computes a float32 Llama. */
 
 /* LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight. */
