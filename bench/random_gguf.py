@@ -5,11 +5,13 @@ own `llama-quantize` (built by `make llama-server`) to the mix of block types a 
     python -m bench.random_gguf --shape llama-3.2-1b --type Q4_K_M [--out .cache/bench/models]
 
 Random weights say nothing of quality: these files measure speed only. The vocabulary is the embedded model's
-49,152 tokens, smaller than the real models' (128,256 for Llama 3.2, 151,936 for Qwen2.5): the lm_head's share of
-a step is smaller than theirs.
+49,152 tokens, smaller than the real models' (128,256 for Llama 3.x, 151,936 for Qwen2.5): the lm_head's share of
+a step is smaller than theirs (llama-3.1-8b's Q4_K_M: 4.47 GB, the real file's 4.92 GB). The float16 file is written
+tensor by tensor (about 1.7 GB of memory for llama-3.1-8b's 14.8 GB) and kept beside the quantized one.
 """
 import argparse
 import logging
+import math
 import subprocess
 from pathlib import Path
 
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 # architecture, hidden, intermediate, layers, heads, kv heads, tied embeddings
 SHAPES = {"llama-3.2-1b": ("llama", 2048, 8192, 16, 32, 8, True),
           "llama-3.2-3b": ("llama", 3072, 8192, 28, 24, 8, True),
+          "llama-3.1-8b": ("llama", 4096, 14336, 32, 32, 8, False),
           "smollm2-360m": ("llama", 960, 2560, 32, 15, 5, True),
           "qwen2.5-0.5b": ("qwen2", 896, 4864, 24, 14, 2, True),
           "qwen2.5-1.5b": ("qwen2", 1536, 8960, 28, 12, 2, True)}
@@ -55,29 +58,40 @@ def write_float16(path: Path, shape: str, seed: int = 0) -> None:
         if key.startswith("tokenizer."):
             add_metadata(writer, key, value)
 
-    def matrix(rows: int, columns: int) -> np.ndarray:
-        return (rng.standard_normal((rows, columns), dtype=np.float32) * 0.02).astype(np.float16)
-
-    writer.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    # (name, numpy shape, fill): "random" is float16, N(0, 0.02); "ones" and "zeros" are float32
+    tensors = [("token_embd.weight", (vocab, hidden), "random")]
     if not tied:
-        writer.add_tensor("output.weight", matrix(vocab, hidden))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+        tensors.append(("output.weight", (vocab, hidden), "random"))
+    tensors.append(("output_norm.weight", (hidden,), "ones"))
     for i in range(layers):
         block = f"blk.{i}."
         for name, rows, columns in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
                                     ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
                                     ("ffn_gate", intermediate, hidden), ("ffn_up", intermediate, hidden),
                                     ("ffn_down", hidden, intermediate)):
-            writer.add_tensor(block + name + ".weight", matrix(rows, columns))
+            tensors.append((block + name + ".weight", (rows, columns), "random"))
         if arch == "qwen2":
             for name, width in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
                                 ("attn_v", kv_heads * head_dim)):
-                writer.add_tensor(block + name + ".bias", np.zeros(width, dtype=np.float32))
+                tensors.append((block + name + ".bias", (width,), "zeros"))
         for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(block + name + ".weight", np.ones(hidden, dtype=np.float32))
+            tensors.append((block + name + ".weight", (hidden,), "ones"))
+
+    def data(shape: tuple[int, ...], fill: str) -> np.ndarray:
+        if fill == "random":
+            return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+        return (np.ones if fill == "ones" else np.zeros)(shape, dtype=np.float32)
+
+    # Streamed: every tensor's info first, then each tensor made as it is written, so memory holds one tensor at a
+    # time (an 8B model's float16 is ~16 GB); the values are those of making them all up front, in the same order.
+    for name, shape, fill in tensors:
+        dtype = np.dtype(np.float16 if fill == "random" else np.float32)
+        writer.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, shape, fill in tensors:
+        writer.write_tensor_data(data(shape, fill))
     writer.close()
 
 
