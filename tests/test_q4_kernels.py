@@ -620,9 +620,9 @@ def test_the_blocks_are_repacked_once_and_mapped_from_the_cache_after(kernels, g
 @pytest.mark.parametrize("type_name, block_bytes", [("Q4_K", 144), ("Q6_K", 210)])
 def test_the_c_repack_of_k_quants_writes_the_numpy_repacks_bytes(kernels, type_name, block_bytes):
     """block_repack.py's numpy is the reference (gguf-py's dequantization and Q8_0 rounding); the C that repacks a
-    big file's Q4_K and Q6_K tensors writes the same bytes: normal, tiny (float16 subnormal) and zero scales, and
+    big file's Q4_K and Q6_K tensors (and Q4_1 as Q8_0) writes the same bytes: normal, tiny (float16 subnormal) and zero scales, and
     for Q4_K a scale past float16's range refused alike (the tensor then rounded to Q8_0)."""
-    from engine.backends.block_repack import kernel_blocks
+    from engine.backends.block_repack import kernel_blocks, q8_0_of
 
     rng = np.random.default_rng(7)
     rows, columns = 64, 1024
@@ -637,7 +637,8 @@ def test_the_c_repack_of_k_quants_writes_the_numpy_repacks_bytes(kernels, type_n
         blocks[..., 2:4] = np.abs(scales).view(np.uint8).reshape(*blocks.shape[:2], 2)
     expected, written = kernel_blocks(type_name, data, rows), kernel_blocks(type_name, data, rows, kernels)
     assert expected[0] == written[0] and np.array_equal(expected[1], written[1])
-    if type_name == "Q4_K":
+    if type_name == "Q4_K":  # and its Q4_1 blocks as Q8_0 (q/k/v fused where v came as Q6_K)
+        assert np.array_equal(kernels.q4_1_as_q8_0(written[1]), q8_0_of(FORMAT_Q4_1, written[1]))
         assert kernels.q4_k_as_q4_1(data) is not None
         blocks[7, 0, 0:2] = np.frombuffer(np.float16(60000).tobytes(), np.uint8)  # d sc past float16
         assert kernels.q4_k_as_q4_1(data) is None

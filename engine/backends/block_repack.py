@@ -47,9 +47,12 @@ def as_q8_0(values: np.ndarray) -> np.ndarray:
     return np.asarray(quants.quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType.Q8_0))
 
 
-def q8_0_of(format_: int, blocks: np.ndarray) -> np.ndarray:
-    """Blocks of either format as Q8_0 (a fused weight whose parts came in both: one format for all)."""
-    return blocks if format_ == FORMAT_Q8_0 else as_q8_0(_dequantize(blocks, "Q4_1"))
+def q8_0_of(format_: int, blocks: np.ndarray, native=None) -> np.ndarray:
+    """Blocks of either format as Q8_0 (a fused weight whose parts came in both: one format for all); `native`: the
+    loaded kernels, whose C writes the same bytes."""
+    if format_ == FORMAT_Q8_0:
+        return blocks
+    return as_q8_0(_dequantize(blocks, "Q4_1")) if native is None else native.q4_1_as_q8_0(blocks)
 
 
 def _dequantize(data: np.ndarray, type_name: str) -> np.ndarray:

@@ -80,6 +80,9 @@ class Q4Kernels:
         self._q6_k_as_q8_0 = library.lockstep_q6_k_as_q8_0
         self._q6_k_as_q8_0.argtypes = [pointer, size, pointer]
         self._q6_k_as_q8_0.restype = None
+        self._q4_1_as_q8_0 = library.lockstep_q4_1_as_q8_0
+        self._q4_1_as_q8_0.argtypes = [pointer, size, pointer]
+        self._q4_1_as_q8_0.restype = None
         self._interleave = library.lockstep_q4_interleave
         self._interleave.argtypes = [pointer, integer, size, size, pointer]
         self._interleave.restype = None
@@ -134,6 +137,13 @@ class Q4Kernels:
         data = np.ascontiguousarray(data, dtype=np.uint8)
         out = np.empty((data.shape[0], data.shape[1] // 210 * 8 * 34), dtype=np.uint8)
         self._q6_k_as_q8_0(data.ctypes.data, data.size // 210, out.ctypes.data)
+        return out
+
+    def q4_1_as_q8_0(self, data: np.ndarray) -> np.ndarray:
+        """block_repack.q8_0_of's Q4_1 blocks as Q8_0, in C (the same bytes)."""
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        out = np.empty((data.shape[0], data.shape[1] // 20 * 34), dtype=np.uint8)
+        self._q4_1_as_q8_0(data.ctypes.data, data.size // 20, out.ctypes.data)
         return out
 
     def linear(self, x: torch.Tensor, weight: "QuantizedWeight") -> torch.Tensor:
@@ -446,10 +456,11 @@ class Q4Weights:
             """One weight of its parts' rows: in one format, Q8_0 where the parts came in both."""
             formats = {format_ for format_, *_ in parts}
             chosen = formats.pop() if len(formats) == 1 else FORMAT_Q8_0
-            data = np.concatenate([data if format_ == chosen else q8_0_of(format_, data)
-                                   for format_, data, _, _ in parts])
-            return QuantizedWeight(torch.from_numpy(np.array(data, order="C")), chosen,
-                                   sum(part[2] for part in parts), parts[0][3])
+            data = [data if format_ == chosen else q8_0_of(format_, data, kernels) for format_, data, _, _ in parts]
+            data = np.concatenate(data) if len(data) > 1 else data[0]
+            if not (data.flags.writeable and data.flags.c_contiguous):  # the file's own blocks, mapped read-only
+                data = np.array(data, order="C")
+            return QuantizedWeight(torch.from_numpy(data), chosen, sum(part[2] for part in parts), parts[0][3])
 
         def norm(name: str) -> torch.Tensor:
             """A norm's weight or a bias, as stored (float32, or dequantized)."""

@@ -1777,6 +1777,15 @@ static void q8_0_block(const float *x, uint8_t *out) {
     memcpy(out + 2, q, BLOCK);
 }
 
+/* Q4_1 blocks dequantized and rounded to Q8_0 (a fused weight whose parts came in both formats). */
+void lockstep_q4_1_as_q8_0(const uint8_t *in, int64_t blocks, uint8_t *out) {
+    float y[BLOCK];
+    for (int64_t b = 0; b < blocks; b++) {
+        dequantize_block(in + b * Q4_1_BYTES, FORMAT_Q4_1, y);
+        q8_0_block(y, out + b * Q8_0_BYTES);
+    }
+}
+
 /* Each 256-value Q6_K block (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d) dequantized as
  * ggml's dequantize_row_q6_K computes it, then rounded to 8 Q8_0 blocks. */
 void lockstep_q6_k_as_q8_0(const uint8_t *in, int64_t blocks, uint8_t *out) {
