@@ -581,7 +581,8 @@ def model_tokens(text: str) -> list[int]:
 def test_the_blocks_are_repacked_once_and_mapped_from_the_cache_after(kernels, gguf_model, tmp_path, monkeypatch):
     """The first start writes the blocks in the kernels' layout into the cache; later starts map them (no block is
     repacked: the repack raises here) and read the very bytes; a replaced file is repacked again and its earlier
-    cache removed; a cache whose index was lost is rewritten, not read."""
+    cache removed; a cache whose index was lost is rewritten, not read; a write that fails, or whose writer was
+    killed, leaves no partial folder behind."""
     from engine.backends import block_repack, q4
     from engine.model_store import find_gguf
 
@@ -612,16 +613,19 @@ def test_the_blocks_are_repacked_once_and_mapped_from_the_cache_after(kernels, g
     [replaced] = (tmp_path / "cache" / "blocks").iterdir()
     assert replaced != folder
     (replaced / "index.json").write_text("{")
+    abandoned = replaced.with_name(f"{replaced.name}.999999999.partial")  # its writer killed mid-write
+    abandoned.mkdir()
     monkeypatch.setattr(q4, "kernel_blocks", no_repack)
-    with pytest.raises(AssertionError, match="repacked"):
+    with pytest.raises(AssertionError, match="repacked"):  # rewritten, not read: and this write fails
         Q4Weights.from_gguf(str(gguf), model.config, kernels, str(tmp_path / "cache"))
+    assert [path.name for path in (tmp_path / "cache" / "blocks").iterdir()] == [replaced.name]  # no partial left
 
 
 @pytest.mark.parametrize("type_name, block_bytes", [("Q4_K", 144), ("Q6_K", 210)])
 def test_the_c_repack_of_k_quants_writes_the_numpy_repacks_bytes(kernels, type_name, block_bytes):
     """block_repack.py's numpy is the reference (gguf-py's dequantization and Q8_0 rounding); the C that repacks a
-    big file's Q4_K and Q6_K tensors (and Q4_1 as Q8_0) writes the same bytes: normal, tiny (float16 subnormal) and zero scales, and
-    for Q4_K a scale past float16's range refused alike (the tensor then rounded to Q8_0)."""
+    big file's Q4_K and Q6_K tensors (and Q4_1 as Q8_0) writes the same bytes: normal, tiny (float16 subnormal)
+    and zero scales, and for Q4_K a scale past float16's range refused alike (the tensor then rounded to Q8_0)."""
     from engine.backends.block_repack import kernel_blocks, q8_0_of
 
     rng = np.random.default_rng(7)

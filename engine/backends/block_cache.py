@@ -38,6 +38,7 @@ class BlockCache:
         self.index = self._read_index(self.folder)
         self.writing = self.index is None
         if self.writing:
+            self._remove_abandoned()
             self.target = self.folder.with_name(f"{self.folder.name}.{os.getpid()}.partial")
             shutil.rmtree(self.target, ignore_errors=True)
             self.target.mkdir(parents=True)
@@ -78,6 +79,22 @@ class BlockCache:
         for older in self.folder.parent.glob(f"{self.prefix}-*"):
             if older != self.folder and not older.name.endswith(".partial") and self._read_index(older) is None:
                 shutil.rmtree(older, ignore_errors=True)  # the file's earlier contents' (another key)
+
+    def abandon(self) -> None:
+        """A write that failed (a full disk, a bad tensor): its partial folder goes."""
+        if self.writing:
+            shutil.rmtree(self.target, ignore_errors=True)
+            self.writing = False
+
+    def _remove_abandoned(self) -> None:
+        """Partial folders of this file whose writer is gone (killed mid-write: 5 GB each for a 7 B file)."""
+        for partial in self.folder.parent.glob(f"{self.prefix}-*.partial"):
+            try:
+                os.kill(int(partial.name.rsplit(".", 2)[-2]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(partial, ignore_errors=True)
+            except (ValueError, PermissionError):  # not our naming, or another user's live process
+                pass
 
     def _append(self, name: str, weight) -> dict:
         data = weight.blocks.numpy()

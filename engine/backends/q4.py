@@ -475,38 +475,44 @@ class Q4Weights:
         def multiplier(weight: torch.Tensor | None) -> torch.Tensor | None:
             return None if weight is None else weight + shift
 
-        layers, norms = [], {"model.norm.weight": norm("output_norm.weight") - shift}
-        for i in range(config.num_hidden_layers):
-            block, attention = f"blk.{i}.", f"model.layers.{i}.self_attn."
-            extras = {}  # HF name -> values, for the model (give_model_the_same_weights) and the kernels alike
-            if gguf.architecture == "qwen2":
-                extras.update({f"{attention}{p}_proj.bias": norm(f"{block}attn_{p}.bias") for p in "qkv"})
-            if gguf.architecture in ("qwen3", "gemma3"):
-                extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") - shift
-                               for p in "qk"})
-            layers.append(Q4Layer(
-                qkv=cached(block + "qkv", lambda: weight(
-                    blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
-                    blocks(block + "attn_v.weight"))),
-                out=cached(block + "out", lambda: weight(blocks(block + "attn_output.weight"))),
-                gate_up=cached(block + "gate_up", lambda: weight(blocks(block + "ffn_gate.weight"),
-                                                                 blocks(block + "ffn_up.weight"))),
-                down=cached(block + "down", lambda: weight(blocks(block + "ffn_down.weight"))),
-                qkv_bias=torch.cat([extras[f"{attention}{p}_proj.bias"] for p in "qkv"]) if extras and
-                gguf.architecture == "qwen2" else None,
-                q_norm=multiplier(extras.get(f"{attention}q_norm.weight")),
-                k_norm=multiplier(extras.get(f"{attention}k_norm.weight"))))
-            norms.update(extras)
-            layer = f"model.layers.{i}."
-            norms[layer + "input_layernorm.weight"] = norm(block + "attn_norm.weight") - shift
-            if gguf.architecture == "gemma3":
-                norms[layer + "pre_feedforward_layernorm.weight"] = norm(block + "ffn_norm.weight") - shift
-                norms[layer + "post_attention_layernorm.weight"] = norm(block + "post_attention_norm.weight") - shift
-                norms[layer + "post_feedforward_layernorm.weight"] = norm(block + "post_ffw_norm.weight") - shift
-            else:
-                norms[layer + "post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
-        untied = "output.weight" in gguf.tensors
-        lm_head = cached("lm_head", lambda: weight(blocks("output.weight" if untied else "token_embd.weight")))
+        try:  # a failed write (a full disk, a tensor refused) leaves no partial cache behind
+            layers, norms = [], {"model.norm.weight": norm("output_norm.weight") - shift}
+            for i in range(config.num_hidden_layers):
+                block, attention = f"blk.{i}.", f"model.layers.{i}.self_attn."
+                extras = {}  # HF name -> values, for the model (give_model_the_same_weights) and the kernels alike
+                if gguf.architecture == "qwen2":
+                    extras.update({f"{attention}{p}_proj.bias": norm(f"{block}attn_{p}.bias") for p in "qkv"})
+                if gguf.architecture in ("qwen3", "gemma3"):
+                    extras.update({f"{attention}{p}_norm.weight": norm(f"{block}attn_{p}_norm.weight") - shift
+                                   for p in "qk"})
+                layers.append(Q4Layer(
+                    qkv=cached(block + "qkv", lambda: weight(
+                        blocks(block + "attn_q.weight", heads), blocks(block + "attn_k.weight", kv_heads),
+                        blocks(block + "attn_v.weight"))),
+                    out=cached(block + "out", lambda: weight(blocks(block + "attn_output.weight"))),
+                    gate_up=cached(block + "gate_up", lambda: weight(blocks(block + "ffn_gate.weight"),
+                                                                     blocks(block + "ffn_up.weight"))),
+                    down=cached(block + "down", lambda: weight(blocks(block + "ffn_down.weight"))),
+                    qkv_bias=torch.cat([extras[f"{attention}{p}_proj.bias"] for p in "qkv"]) if extras and
+                    gguf.architecture == "qwen2" else None,
+                    q_norm=multiplier(extras.get(f"{attention}q_norm.weight")),
+                    k_norm=multiplier(extras.get(f"{attention}k_norm.weight"))))
+                norms.update(extras)
+                layer = f"model.layers.{i}."
+                norms[layer + "input_layernorm.weight"] = norm(block + "attn_norm.weight") - shift
+                if gguf.architecture == "gemma3":
+                    norms[layer + "pre_feedforward_layernorm.weight"] = norm(block + "ffn_norm.weight") - shift
+                    norms[layer + "post_attention_layernorm.weight"] = \
+                        norm(block + "post_attention_norm.weight") - shift
+                    norms[layer + "post_feedforward_layernorm.weight"] = norm(block + "post_ffw_norm.weight") - shift
+                else:
+                    norms[layer + "post_attention_layernorm.weight"] = norm(block + "ffn_norm.weight")
+            untied = "output.weight" in gguf.tensors
+            lm_head = cached("lm_head", lambda: weight(blocks("output.weight" if untied else "token_embd.weight")))
+        except BaseException:
+            if store is not None:
+                store.abandon()
+            raise
         if store is not None:
             store.commit()
         # looked up, never multiplied: the file's own values, dequantized
