@@ -3,13 +3,16 @@
 gthread workers (app/gunicorn_worker.py adds read deadlines and JSON error replies). Every
 open WebSocket holds one thread for its whole life; gthread creates threads lazily, so the
 thread budget is set far above the socket cap (LOCKSTEP_MAX_SOCKETS): REST calls, /health
-and /ready always find a thread. Each gunicorn worker builds its own engine (and forks its
-own model worker) when it imports wsgi.py: never in the master, so no `preload_app`.
+and /ready always find a thread. Each gunicorn worker builds its own engine when it imports
+wsgi.py: never in the master, so no `preload_app`. The engine starts a fork server (a fresh
+Python, engine/fork_server.py) that forks the model worker: the gunicorn worker's threads
+never meet a fork.
 SIGTERM drains: the worker keeps accepting but answers new requests 503, running ones
 finish (up to LOCKSTEP_DRAIN_TIMEOUT_S; past it they end with a 503 `shutting_down` their
 clients read), then gunicorn's own graceful stop runs.
 """
 import logging
+import os
 import resource
 import signal
 import threading
@@ -61,13 +64,19 @@ if SETTINGS.max_sockets > threads - SPARE_THREADS:
         SETTINGS.max_sockets, SPARE_THREADS, threads)
 
 
+MALLOC_ARENAS = 2
+
+
 def post_fork(server, worker):
     """Two malloc arenas instead of 8 per core: request threads tokenizing big prompts otherwise each keep
     a private high-water mark (measured, 5 bursts of 32 long /tokenize calls: RSS after them 534-579 MB with
-    glibc's default, 407-419 MB flat with 2). Blocks from 4 MiB on unmapped when freed (engine/memory.py)."""
+    glibc's default, 407-419 MB flat with 2). Blocks from 4 MiB on unmapped when freed (engine/memory.py).
+    The fork server is a new program, which no mallopt reaches: glibc reads its cap from the environment (the
+    model worker forked from it gets the same cap as when it was forked from here)."""
     from engine.memory import limit_malloc_arenas, unmap_large_blocks_when_freed  # per process: in each worker
 
-    limit_malloc_arenas(2)
+    limit_malloc_arenas(MALLOC_ARENAS)
+    os.environ.setdefault("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))
     unmap_large_blocks_when_freed()
 
 

@@ -14,14 +14,11 @@ import pickle
 import select
 import struct
 import time
-import weakref
 from dataclasses import dataclass, field
 
 HEADER = struct.Struct("!Q")  # the pickle's length
 MAX_MESSAGE_BYTES = 1 << 31  # larger means a desynchronized stream, not a message
 READ_CHUNK = 1 << 16  # a pipe's buffer: os.read allocates what it is asked for
-
-_open_channels: "weakref.WeakSet[Channel]" = weakref.WeakSet()  # this process's, for `close_all_but`
 
 
 class ChannelClosed(EOFError):
@@ -34,7 +31,8 @@ class ChannelBroken(ChannelClosed):
 
 
 def pipe_pair() -> tuple["Channel", "Channel"]:
-    """Two ends that talk to each other: one for the parent, one for the child it forks."""
+    """Two ends that talk to each other: one for the engine, one that the fork server hands to the worker it forks.
+    The descriptors are not inherited by programs this process runs (the fork server among them)."""
     fds: list[int] = []
     try:
         fds += os.pipe()  # to the child: read, write
@@ -48,25 +46,14 @@ def pipe_pair() -> tuple["Channel", "Channel"]:
     return Channel(to_parent_read, to_child_write), Channel(to_child_read, to_parent_write)
 
 
-def close_all_but(keep: "Channel") -> None:
-    """In a forked child: close the copies of every other channel this process holds (the parent's end of this
-    pair, another engine's pipes), which would keep their peers from ever reading EOF."""
-    for channel in list(_open_channels):
-        if channel is not keep:
-            channel.close()
-
-
 @dataclass(eq=False)
 class Channel:
-    """One end: the descriptors it reads and writes. After a fork each process closes the end that is not its own
-    (the parent: the child's, once forked; the child: `close_all_but`), so either's exit reads as EOF."""
+    """One end: the descriptors it reads and writes. Each process holds only its own end (the engine closes the
+    worker's once the fork server has passed it on), so either's exit reads as EOF at the other."""
     read_fd: int
     write_fd: int
     _received: bytearray = field(default_factory=bytearray, repr=False)
     _broken: str = ""
-
-    def __post_init__(self):
-        _open_channels.add(self)
 
     def send(self, message, timeout: float) -> None:
         """Write one message; TimeoutError if the reader took too little of it within `timeout` (the channel is
@@ -109,7 +96,6 @@ class Channel:
     def close(self) -> None:
         _close((self.read_fd, self.write_fd))
         self.read_fd = self.write_fd = -1  # never closed twice: the numbers may belong to another file by then
-        _open_channels.discard(self)
 
     def _check_usable(self) -> None:
         if self._broken:

@@ -5,12 +5,15 @@ result taken inside `call`, under one lock: exactly one round-trip is in flight.
 worker echoes the task's `call_id`; a result for any other call raises
 CorrelationMismatch instead of being handed to the wrong caller. A worker that dies or
 exceeds the timeout is killed and reported as WorkerFailed; `start` forks a new one.
+
+The worker is forked by the process's fork server (engine/fork_server.py), a fresh Python
+started with the first executor: never by this process, whose other threads a fork would
+leave holding their locks in the child.
 """
 import atexit
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -19,9 +22,10 @@ import time
 from .channel import Channel, ChannelBroken, ChannelClosed, pipe_pair
 from .config import EngineConfig
 from .errors import CorrelationMismatch, WorkerBusy, WorkerFailed
+from .fork_server import ForkedProcess, shared_fork_server
 from .messages import (EchoTask, ModelInfo, NewRequest, Result, ShutdownTask, StepResult,
                        StepTask, Task, WorkerFailure)
-from . import worker
+from .worker import run_worker  # the worker's entry point, looked up at each fork (tests put a patched one here)
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +39,12 @@ class ModelExecutor:
         self.config = config
         self.model_path = model_path
         self.backend = backend
-        self._context = multiprocessing.get_context("fork")
+        # the worker's imports made once, in the process's fork server (vLLM's read the environment that the worker
+        # sets first: its worker imports for itself)
+        self._fork_server = shared_fork_server(("engine.backends.hf",) if backend == "hf" else ())
         self._round_trip_lock = threading.Lock()
         self._call_ids = itertools.count(1)
-        self._process = None
+        self._process: ForkedProcess | None = None
         self._is_loaded = False
         self._is_closed = False  # after shutdown, never fork again
         self._channel: Channel | None = None
@@ -49,6 +55,10 @@ class ModelExecutor:
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        return self._fork_server.pid
 
     def is_alive(self) -> bool:
         """True when a worker has loaded its model and still runs."""
@@ -74,11 +84,11 @@ class ModelExecutor:
                 raise WorkerFailed(f"cannot open pipes to the model worker: {exc}") from exc
             try:
                 self._process = self._fork_worker(worker_end)
-            except OSError as exc:  # out of processes or memory: a clear failure the engine retries
+            except OSError as exc:  # out of processes or memory, or no fork server: a clear failure the engine retries
                 self._channel.close()
-                worker_end.close()
                 raise WorkerFailed(f"cannot fork the model worker: {exc}") from exc
-            worker_end.close()  # the worker's own now: its exit then reads as EOF here
+            finally:
+                worker_end.close()  # the worker has its own copy: its exit then reads as EOF here
             ready = self._get_result(self.config.load_timeout_s, "loading the model")
             if isinstance(ready, WorkerFailure):
                 self._kill()
@@ -158,18 +168,14 @@ class ModelExecutor:
         finally:
             self._round_trip_lock.release()
 
-    def _fork_worker(self, worker_end: Channel):
-        # A fork must not copy tokenizers' thread pool: its locks would be held forever in the child.
+    def _fork_worker(self, worker_end: Channel) -> ForkedProcess:
+        # The worker starts with this process's environment. vLLM forks its own workers from it after loading a
+        # tokenizer: a fork must not copy tokenizers' thread pool, whose locks would be held forever in the child.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        # Not a daemon: vLLM's tensor/pipeline-parallel workers are the worker's children, and a daemonic
-        # process may not have any. Reaping is ours instead: the worker leads a process group of its own
-        # (so do its children) that `_kill` ends as a whole, and it dies with us (worker.die_with_parent).
-        process = self._context.Process(
-            target=worker.run_worker, name="lockstep-model-worker", daemon=False,
-            args=(self.config, self.model_path, self.backend, worker_end))
-        process.start()
-        _lead_own_group(process.pid)
-        # Before multiprocessing's own exit hook, which would wait forever for a non-daemonic child.
+        process = self._fork_server.start_process(
+            run_worker, (self.config, self.model_path, self.backend), worker_end)
+        # At exit the worker and its process group go at once (the fork server, whose socket then closes, would
+        # end them too).
         atexit.register(self._kill)
         logger.info("forked model worker %d for %s", process.pid, self.model_path)
         return process
@@ -191,9 +197,9 @@ class ModelExecutor:
                 self._last_answer_time = time.monotonic()
                 return result
             if not process.is_alive():
-                code = process.exitcode
+                how = "its fork server died" if process.exitcode is None else f"exit code {process.exitcode}"
                 self._kill()
-                raise WorkerFailed(f"the model worker died (exit code {code}) while {what}")
+                raise WorkerFailed(f"the model worker died ({how}) while {what}")
             if time.monotonic() > deadline:
                 self._kill()
                 raise WorkerFailed(f"the model worker did not answer within {timeout:.0f} s while {what}")
@@ -210,15 +216,6 @@ class ModelExecutor:
         self._process.join(5.0)
         self._channel.close()
         self._process, self._is_loaded = None, False
-
-
-def _lead_own_group(pid: int) -> None:
-    """Make the worker the leader of a new process group. The worker does the same for itself first thing;
-    doing it here too closes the window before it runs, so `_kill_group` always finds the group."""
-    try:
-        os.setpgid(pid, pid)
-    except (ProcessLookupError, PermissionError):  # already dead, or already done by the worker itself
-        pass
 
 
 def _kill_group(pgid: int) -> None:

@@ -128,8 +128,8 @@ def client(server):
 
 @pytest.fixture(scope="session", autouse=True)
 def _single_threaded_torch_in_the_test_process():
-    """Unit tests run small torch ops here, and this process forks model workers: a parent that has started
-    torch's thread pool makes a forked child hang on its first parallel op. One thread never starts it."""
+    """Unit tests run small torch ops here on one thread: their numbers and their time never depend on how many
+    cores the host has (model workers are forked by the fork server, never by this process)."""
     import torch
 
     torch.set_num_threads(1)

@@ -1,8 +1,8 @@
 """Issue 9 against a live werkzeug server: keys, origins and Host, socket budget and timers, close codes, protocol
 errors, a vanished REST client, readiness and the drain. Real sockets; fault injection only where named."""
+import functools
 import json
 import logging
-import multiprocessing
 import socket
 import threading
 import time
@@ -336,25 +336,18 @@ def test_drain_refuses_new_work_with_503_and_ready_says_so(make_server_for, tiny
     assert close_frame(ws) == (1001, "server shutting down")
 
 
-def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir, monkeypatch):
+def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir, monkeypatch, tmp_path):
     from app import create_app
     from engine import EngineConfig
-    from engine import worker as worker_module
-    from engine.messages import StepTask
 
-    slow_steps = multiprocessing.get_context("fork").Event()
-    real_handle_task = worker_module.handle_task
+    from .worker_faults import FileGate, patch_worker, slow_handle_task
 
-    def slow_handle_task(backend, task):  # fault injection: steps of 7 s once the test says so
-        if isinstance(task, StepTask) and slow_steps.is_set():
-            time.sleep(7)
-        return real_handle_task(backend, task)
-
-    monkeypatch.setattr(worker_module, "handle_task", slow_handle_task)  # inherited by the forked worker
+    slow_steps = FileGate(str(tmp_path / "slow-steps"))  # fault injection: a step lasts while the test holds it
+    patch_worker(monkeypatch, handle_task=functools.partial(slow_handle_task, slow_steps.path))
     live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1),
                                   "WAIT_FOR_MODEL": True}))
     try:
-        slow_steps.set()
+        slow_steps.hold()
         outcome = {}
         caller = threading.Thread(target=lambda: outcome.update(answer=http(
             "POST", live.url + "/basic_generate", {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})))
@@ -364,11 +357,11 @@ def test_ready_stays_200_while_the_worker_is_busy_in_a_long_step(tiny_model_dir,
         started = time.monotonic()
         status, _, body = http("GET", live.url + "/ready", timeout=10)
         assert (status, body["status"]) == (200, "ready") and time.monotonic() - started < 1.0
-        slow_steps.clear()
+        slow_steps.release()
         caller.join(60)
         assert outcome["answer"][0] == 200
     finally:
-        slow_steps.clear()
+        slow_steps.release()
         live.stop()
 
 

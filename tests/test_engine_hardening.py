@@ -12,13 +12,12 @@ import pytest
 
 from engine import FinishReason, NotReady, Overloaded, RequestOutput, SamplingParams
 from engine import engine as engine_module
-from engine.backends.sampler import TokenSampler
 
 from .client import wait_until
 from .torch_jobs import run_job
+from .worker_faults import POISON_SEED, patch_worker, poisoned_sample
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-POISON_SEED = 666
 
 
 def long_prompt_ids(engine, num_tokens: int) -> list[int]:
@@ -38,14 +37,7 @@ def test_a_tiny_temperature_or_top_p_is_greedy_not_a_crash(make_engine, tiny_mod
 
 
 def test_a_request_that_fails_in_the_worker_fails_alone(make_engine, tiny_model_dir, monkeypatch):
-    real_sample = TokenSampler.__call__
-
-    def poisoned(self, logits):
-        if self.sampling.seed == POISON_SEED:
-            raise RuntimeError("probability tensor contains nan")
-        return real_sample(self, logits)
-
-    monkeypatch.setattr(TokenSampler, "__call__", poisoned)  # before the fork: the worker inherits it
+    patch_worker(monkeypatch, sample=poisoned_sample)
     engine = make_engine(tiny_model_dir)
     alone = engine.generate(["Tell me a story"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     pid = engine.executor.pid

@@ -8,9 +8,8 @@ import time
 import pytest
 
 from engine import CorrelationMismatch, FinishReason, SamplingParams, WorkerFailed
-from engine import worker as worker_module
-from engine.messages import EchoResult, EchoTask
 from .test_channel import FailsToLoadIn
+from .worker_faults import lying_handle_task, patch_worker
 
 PROMPTS = ["Hi", "Tell me a story about dragons.", "1, 2, 3,", "The weather today is"]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -161,14 +160,7 @@ def test_an_answer_the_parent_cannot_read_fails_the_call_and_restarts_the_worker
 
 
 def test_a_result_for_another_call_is_a_loud_error(make_engine, tiny_model_dir, monkeypatch):
-    real_handle_task = worker_module.handle_task
-
-    def lying_handle_task(backend, task):
-        if isinstance(task, EchoTask) and task.payload == "lie":
-            return EchoResult(task.call_id + 1000, task.payload)
-        return real_handle_task(backend, task)
-
-    monkeypatch.setattr(worker_module, "handle_task", lying_handle_task)  # inherited by the forked worker
+    patch_worker(monkeypatch, handle_task=lying_handle_task)
     engine = make_engine(tiny_model_dir)
     with pytest.raises(CorrelationMismatch):
         engine.executor.echo("lie")

@@ -159,32 +159,27 @@ def test_api_key_and_origins(make_server_for, tiny_model_dir):
     assert "Access-Control-Allow-Origin" not in headers
 
 
-def test_ready_is_503_while_the_model_loads_then_200(tiny_model_dir, monkeypatch):
-    import multiprocessing
+def test_ready_is_503_while_the_model_loads_then_200(tiny_model_dir, monkeypatch, tmp_path):
+    import functools
 
     from app import create_app
     from engine import EngineConfig
-    from engine import worker as worker_module
 
     from .conftest import LiveServer
+    from .worker_faults import FileGate, load_after_gate, patch_worker
 
-    may_load = multiprocessing.get_context("fork").Event()
-    real_load = worker_module.load_backend
-
-    def load_when_allowed(*args):
-        may_load.wait(60)
-        return real_load(*args)
-
-    monkeypatch.setattr(worker_module, "load_backend", load_when_allowed)  # inherited by the forked worker
+    may_load = FileGate(str(tmp_path / "may-load"))
+    may_load.hold()
+    patch_worker(monkeypatch, load_backend=functools.partial(load_after_gate, may_load.path))
     live = LiveServer(create_app({"ENGINE": EngineConfig(model=tiny_model_dir, dtype="float32", threads=1)}))
     try:
         status, headers, body = http("GET", live.url + "/ready")
         assert (status, body["status"], headers["Retry-After"]) == (503, "not_ready", "1")
         assert http("GET", live.url + "/health")[0] == 200
         assert post(live, "/basic_generate", {"prompt": "x"})[0] == 503  # not ready yet: a clear error
-        may_load.set()
+        may_load.release()
         assert live.state.engine.core.first_start_done.wait(60)
         assert http("GET", live.url + "/ready")[0] == 200
     finally:
-        may_load.set()
+        may_load.release()
         live.stop()

@@ -1,8 +1,8 @@
 """Torch work that tests need, run in a child process.
 
-The test process forks model workers; if it ran a multi-threaded torch op itself, those
-children could hang on their first parallel op (see the brief). So building tiny models and
-computing reference outputs happen here, in a fresh interpreter: `python -m tests.torch_jobs`.
+Building tiny models and computing reference outputs (whole models in float32, on every core)
+happen here, in a fresh interpreter (`python -m tests.torch_jobs`): their memory and torch's
+thread pools never stay in the test process.
 """
 import json
 import subprocess
