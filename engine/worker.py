@@ -3,9 +3,9 @@
 The model is loaded here, so the parent never touches CUDA or runs a torch op. The worker starts from the fork
 server, a fresh single-threaded Python: no lock of the engine's threads, no socket of the HTTP side and no other
 engine's pipe ever reaches it, so nothing needs repairing first. It leads its own process group and dies with the
-fork server, which dies with the engine's process (the fork server sets that up). The loop waits on the task pipe; it exits on
-ShutdownTask or when the engine is gone (the pipe's end of file), so a killed server never leaves an orphan holding
-the model.
+fork server, which dies with the engine's process (the fork server sets that up). The loop waits on the task pipe;
+it exits on ShutdownTask or when the engine is gone (the pipe's end of file), so a killed server never leaves an
+orphan holding the model.
 """
 import gc
 import logging
