@@ -21,6 +21,19 @@ def load(model_dir: str, dtype: torch.dtype):
     return model
 
 
+@torch.inference_mode()
+def lone_rows_round_alike(model) -> bool:
+    """Whether this CPU's bfloat16 matmul (oneDNN) gives a lone row the numbers it gives that row among others.
+    On AVX-512 without AVX512-BF16 it does not (measured: an Intel Xeon with avx512_vnni, the lm_head's 49152 x 576
+    and the down projection's 576 x 1536), while 2 rows compute as among 23: the backend never decodes a lone row
+    there (hf.py pads it to 2), and a lone row's numbers (a one-token chunk's, the last row's lm_head alone) are
+    compared with the model's only where lone rows round alike."""
+    weights = [model.lm_head.weight, model.model.layers[0].mlp.down_proj.weight]
+    x = torch.randn(23, max(w.shape[1] for w in weights), generator=torch.Generator().manual_seed(0))
+    return all(torch.equal(torch.nn.functional.linear(x[-1:, :w.shape[1]].to(w.dtype), w),
+                           torch.nn.functional.linear(x[:, :w.shape[1]].to(w.dtype), w)[-1:]) for w in weights)
+
+
 def prompt(length: int, salt: int) -> list[int]:
     return [(13 * i + 37 * salt) % 5000 + 20 for i in range(length)]
 
@@ -86,7 +99,8 @@ def test_the_fast_step_gives_the_models_logits_and_cache_bit_for_bit(which, smol
     batches.leave({0, 1})
     for _ in range(2):
         batches.step(min_rows=2)  # one real row beside a padding row, as batch invariance runs it
-    batches.step(min_rows=1)
+    if lone_rows_round_alike(batches.reference):
+        batches.step(min_rows=1)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "tiny-llama"])
@@ -97,14 +111,17 @@ def test_a_prompt_fed_in_chunks_gets_the_models_logits_and_cache_bit_for_bit(whi
     fast = FastDecoder(fast_model)
     token_ids = prompt(300, 3)
     reference_cache, fast_cache = DynamicCache(), DynamicCache()
-    for start, end in ((0, 23), (23, 40), (40, 41), (41, 300)):
+    lone_rows_alike = lone_rows_round_alike(reference)  # else no one-token chunk, and the last row's own lm_head
+    chunks = ((0, 23), (23, 40), (40, 41), (41, 300)) if lone_rows_alike else ((0, 23), (23, 40), (40, 300))
+    for start, end in chunks:
         expected = reference(input_ids=torch.tensor([token_ids[start:end]]),
                              position_ids=torch.arange(start, end)[None], attention_mask=torch.ones(1, end),
                              past_key_values=reference_cache, use_cache=True).logits[0]
         got = fast.prefill(torch.tensor(token_ids[start:end]), start, fast_cache, all_positions=True)
         assert torch.equal(got, expected)
         alone = DynamicCache() if start == 0 else _copy(reference_cache, start)
-        assert torch.equal(fast.prefill(torch.tensor(token_ids[start:end]), start, alone), expected[-1])
+        last = fast.prefill(torch.tensor(token_ids[start:end]), start, alone)  # the lm_head of the last row alone
+        assert torch.equal(last, expected[-1]) or not lone_rows_alike
         for mine, theirs in zip(fast_cache.layers, reference_cache.layers):
             assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
