@@ -127,24 +127,16 @@ class Q4Kernels:
 
     def q4_k_as_q4_1(self, data: np.ndarray) -> np.ndarray | None:
         """block_repack's Q4_K repack, in C (the same bytes): None where a scale does not fit float16."""
-        data = np.ascontiguousarray(data, dtype=np.uint8)
-        out = np.empty((data.shape[0], data.shape[1] // 144 * 8 * 20), dtype=np.uint8)
-        failed = self._q4_k_as_q4_1(data.ctypes.data, data.size // 144, out.ctypes.data)
+        failed, out = _repacked(self._q4_k_as_q4_1, data, 144, 8 * 20)
         return None if failed else out
 
     def q6_k_as_q8_0(self, data: np.ndarray) -> np.ndarray:
         """block_repack's Q6_K repack (dequantized, rounded to Q8_0), in C (the same bytes)."""
-        data = np.ascontiguousarray(data, dtype=np.uint8)
-        out = np.empty((data.shape[0], data.shape[1] // 210 * 8 * 34), dtype=np.uint8)
-        self._q6_k_as_q8_0(data.ctypes.data, data.size // 210, out.ctypes.data)
-        return out
+        return _repacked(self._q6_k_as_q8_0, data, 210, 8 * 34)[1]
 
     def q4_1_as_q8_0(self, data: np.ndarray) -> np.ndarray:
         """block_repack.q8_0_of's Q4_1 blocks as Q8_0, in C (the same bytes)."""
-        data = np.ascontiguousarray(data, dtype=np.uint8)
-        out = np.empty((data.shape[0], data.shape[1] // 20 * 34), dtype=np.uint8)
-        self._q4_1_as_q8_0(data.ctypes.data, data.size // 20, out.ctypes.data)
-        return out
+        return _repacked(self._q4_1_as_q8_0, data, 20, 34)[1]
 
     def linear(self, x: torch.Tensor, weight: "QuantizedWeight") -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != weight.in_features:
@@ -653,6 +645,13 @@ class Q4Stack:
         self._tensors = tensors
         self.pointers = (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
         self.eps = (ctypes.c_float * len(epsilons))(*epsilons)
+
+
+def _repacked(function, data: np.ndarray, in_bytes: int, out_bytes: int) -> tuple[int | None, np.ndarray]:
+    """(the C function's result, its output) for rows of blocks of `in_bytes` each written as `out_bytes`."""
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    out = np.empty((data.shape[0], data.shape[1] // in_bytes * out_bytes), dtype=np.uint8)
+    return function(data.ctypes.data, data.size // in_bytes, out.ctypes.data), out
 
 
 def _interleaved_positions(format_: int) -> np.ndarray:
