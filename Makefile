@@ -20,11 +20,10 @@ test: setup model chromium nginx vllm gpu-bundle
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-avx2-path
 
-# The unit and engine tests (real workers on tiny models; no live server, browser, gunicorn or peer): about 2.5
-# minutes on 2 cores, for the edit-and-test loop. `make test` runs everything, these among them.
-FAST_TESTS := tests/test_answer_stream.py tests/test_channel.py tests/test_detokenizer.py tests/test_inputs.py \
-	tests/test_sampling.py tests/test_scheduler.py tests/test_engine.py tests/test_engine_hardening.py \
-	tests/test_faults.py tests/test_logprobs.py tests/test_kv_slots.py tests/test_worker_start.py
+# The unit and engine tests, two folders of tests/ (markers `unit` and `engine`; real workers on tiny models, no live
+# server, browser, gunicorn or peer): under 3 minutes on 2 cores, for the edit-and-test loop. `make test` runs
+# everything, these among them; `pytest -m GROUP` runs any one folder (setup.cfg lists them).
+FAST_TESTS := tests/unit tests/engine
 test-fast: setup model
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(FAST_TESTS) $(PYTEST_ARGS)
 
@@ -37,10 +36,10 @@ AVX2_MASK := avx512f,avx512bw,avx512vl,avx512_bf16,avx512_vnni,avx_vnni,amx_bf16
 test-avx2-path: setup model
 	@if grep -qwE 'avx512f|avx_vnni' /proc/cpuinfo 2>/dev/null; then \
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/test_q4_kernels.py tests/test_batch_invariance.py \
-			tests/test_fast_forward.py -k "not bfloat16" && \
+		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/backends/test_q4_kernels.py tests/backends/test_batch_invariance.py \
+			tests/backends/test_fast_forward.py -k "not bfloat16" && \
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q tests/test_gguf_models.py -k "4_bit"; \
+		$(PY) -m pytest -q tests/backends/test_gguf_models.py -k "4_bit"; \
 	else echo "test-avx2-path: this CPU has no AVX-512 or AVX-VNNI, so the suite above already ran the AVX2 path"; fi
 
 # The 4-bit kernels' tests once more as an ARM64 Linux host runs them, on x86-64: built by Debian's aarch64 cross
@@ -55,9 +54,9 @@ ARMV8_0_TESTS := this_host or bit_for_bit or processes_that_build
 ARM64_SLOW_MODEL_TESTS := rows_in_caches or prompts_fed_together or chunked_whole or capability_mask
 test-arm64-path: setup model
 	@if [ "$$(uname -m)" = aarch64 ]; then echo "test-arm64-path: this is an ARM64 host, so make test ran its path"; \
-	else tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/test_q4_kernels.py \
+	else tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/backends/test_q4_kernels.py \
 			-k "not (float32 and ($(ARM64_SLOW_MODEL_TESTS)))" && \
-		ARM64_CPU=cortex-a72 tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/test_q4_kernels.py \
+		ARM64_CPU=cortex-a72 tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/backends/test_q4_kernels.py \
 			-k "$(ARMV8_0_TESTS)"; fi
 
 # The GPU check (bench/gpu_check.py): `make gpu-bundle` here (where pip can download) puts the wheels an air-gapped
@@ -170,7 +169,7 @@ $(LLAMA_BF16_GGUF): $(LLAMA_SERVER) $(MODEL)
 
 # Refresh docs/screenshot-*.png from a real browser session (best on an idle machine).
 screenshots: setup model chromium
-	UPDATE_SCREENSHOTS=1 $(PY) -m pytest -q tests/test_page.py -k screenshots
+	UPDATE_SCREENSHOTS=1 $(PY) -m pytest -q tests/page/test_page.py -k screenshots
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache *.egg-info

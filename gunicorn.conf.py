@@ -1,6 +1,6 @@
 """gunicorn settings for lockstep (`gunicorn -c gunicorn.conf.py wsgi:app`).
 
-gthread workers (app/gunicorn_worker.py adds read deadlines and JSON error replies). Every
+gthread workers (app/ops/gunicorn_worker.py adds read deadlines and JSON error replies). Every
 open WebSocket holds one thread for its whole life; gthread creates threads lazily, so the
 thread budget is set far above the socket cap (LOCKSTEP_MAX_SOCKETS): REST calls, /health
 and /ready always find a thread. Each gunicorn worker builds its own engine when it imports
@@ -18,12 +18,12 @@ import signal
 import threading
 
 from app import settings_from_env
-from app.gunicorn_worker import FD_RESERVE, MAX_LINGERING
+from app.ops.gunicorn_worker import FD_RESERVE, MAX_LINGERING
 
 SETTINGS = settings_from_env()  # the LOCKSTEP_* variables, read as the app reads them (app/settings.py)
 bind = f"{SETTINGS.host}:{SETTINGS.port}"
 workers = SETTINGS.workers  # one model copy each
-worker_class = "app.gunicorn_worker.LockstepWorker"
+worker_class = "app.ops.gunicorn_worker.LockstepWorker"
 threads = SETTINGS.http_threads
 worker_connections = max(1000, 2 * threads)  # room for kept-alive connections beside busy threads
 SPARE_THREADS = 32  # REST calls, /health and /ready must find a thread with every socket open

@@ -1,4 +1,10 @@
-"""The Flask application factory: settings, engine, blueprints, error handlers, request hooks."""
+"""The Flask application factory: settings, engine, blueprints, error handlers, request hooks.
+
+The app's parts, one folder per interface: rest/ (the REST endpoints, and how every interface reads a request and
+shapes an answer), sockets/ (the WebSocket machinery and /ws), responses/ (OpenAI's Responses API over REST and
+WebSocket), ops/ (health, metrics, the gunicorn worker). What they all share stays here: settings.py, state.py,
+errors.py, guards.py (the hooks on every request), and pages.py (the chat page).
+"""
 import logging
 from typing import Callable, TypeVar
 
@@ -7,11 +13,16 @@ from flask import Flask
 from engine import BackendUnavailable, EngineConfig, LLMEngine, WorkerFailed
 from engine import ModelNotFound, UnsupportedModel
 
-from . import api, openapi, ops, pages, responses, responses_ws, sockets, ws
+from . import pages
 from .errors import register_error_handlers
 from .guards import register_guards
-from .metrics import ServerMetrics
+from .ops import routes as ops_routes
+from .ops.metrics import ServerMetrics
+from .responses import rest as responses_rest
+from .responses import ws as responses_ws
+from .rest import api, openapi
 from .settings import ServerSettings
+from .sockets import upgrade, ws
 from .state import EXTENSION_KEY, AppState
 
 logger = logging.getLogger(__name__)
@@ -40,8 +51,8 @@ def create_app(config: dict | None = None) -> Flask:
 
     register_error_handlers(app)
     register_guards(app)
-    sockets.init_app(app)  # after the guards: the upgrade's refusals come last, as the route's did
-    for module in (api, openapi, ops, pages, responses, responses_ws, ws):
+    upgrade.init_app(app)  # after the guards: the upgrade's refusals come last, as the route's did
+    for module in (api, openapi, ops_routes, pages, responses_rest, responses_ws, ws):
         app.register_blueprint(module.bp)
     if app.config["START_ENGINE"]:
         try:

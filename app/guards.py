@@ -69,7 +69,7 @@ def _refuse_while_draining():
 
 def _check_api_key():
     """REST needs `Authorization: Bearer <key>`. The socket may send it on the handshake too; browsers cannot,
-    so without the header /ws authenticates with its first frame (app/ws_session.py). The Responses socket takes
+    so without the header /ws authenticates with its first frame (app/sockets/ws_session.py). The Responses socket takes
     the key from the handshake only, as OpenAI's SDK sends it."""
     key = lockstep().settings.api_key
     g.is_authenticated = not key

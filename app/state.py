@@ -9,8 +9,8 @@ from flask import current_app
 from engine import MAX_STOP_LENGTH, EngineConfig, LLMEngine
 from engine.tool_calls import MAX_DESCRIPTION_CHARS, MAX_TOOLS
 
-from .metrics import ServerMetrics
-from .response_store import ResponseStore
+from .ops.metrics import ServerMetrics
+from .responses.store import ResponseStore
 from .settings import ServerSettings
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """`make gpu-check OUT=folder`: lockstep proven on a CUDA host in a few minutes, offline, from `make gpu-bundle`.
 
 On a host without a GPU it says so in one line and exits 0 having run nothing. On a GPU host it installs the bundle
-into a venv that sees the host's own torch (`--system-site-packages`), runs the CUDA tests (tests/test_cuda.py: the
-parent never initialises CUDA before the fork; KV cache == recompute, batched == alone, a killed worker replaced,
+into a venv that sees the host's own torch (`--system-site-packages`), runs the CUDA tests (tests/backends/test_cuda.py:
+the parent never initialises CUDA before the fork; KV cache == recompute, batched == alone, a killed worker replaced,
 cancel, deadlines, JSON mode, logprobs), then serves with gunicorn on the GPU and drives `make bench`'s load at 1 / 8 /
 16 clients on random weights of the embedded model's shape and of a Qwen2.5-1.5B shape (bfloat16), and writes one
 table (tokens/s, TTFT, GPU memory) to OUT/gpu-check.md (and .json). `--cpu-rehearsal` runs the same steps on this CPU,
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
 BUNDLE = REPO / ".cache" / "gpu-bundle"
 WORK = REPO / ".cache" / "gpu-check"
-TOKENIZER_ENV = "LOCKSTEP_GPU_CHECK_TOKENIZER"  # tests/test_cuda.py builds its tiny model with this tokenizer
+TOKENIZER_ENV = "LOCKSTEP_GPU_CHECK_TOKENIZER"  # tests/backends/test_cuda.py builds its tiny model with this tokenizer
 TESTS_TIMEOUT_S = 300
 MEMORY_POLL_S = 0.5
 # A Qwen2.5-1.5B's shape (its vocabulary: the bundled tokenizer's, so that its tokens are text).
@@ -163,7 +163,7 @@ def run_check(out: Path, bundle: Path, rehearsal: bool) -> int:
 def run_cuda_tests(out: Path, tokenizer_dir: Path) -> dict:
     env = {**os.environ, TOKENIZER_ENV: str(tokenizer_dir), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "tests/backends/test_cuda.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=TESTS_TIMEOUT_S, check=False)
     (out / "cuda-tests.log").write_text(done.stdout + done.stderr)
     lines = done.stdout.strip().splitlines()
@@ -198,7 +198,7 @@ def _build_model(job: dict) -> None:
 
 
 def serve_and_measure(name: str, model_dir: Path, device: str, load: Load, out: Path) -> list[Row]:
-    from .server import start_gunicorn
+    from app.ops.gunicorn_process import start_gunicorn
 
     slug = model_dir.name
     server = start_gunicorn(out / f"server-{slug}.log", {"LOCKSTEP_MODEL": str(model_dir),
@@ -235,7 +235,7 @@ def torch_version() -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"GPU check on {report['host']} ({report['torch']}), {report['seconds']} s.", "",
-             f"CUDA tests (tests/test_cuda.py): {report['tests']['summary']}", "",
+             f"CUDA tests (tests/backends/test_cuda.py): {report['tests']['summary']}", "",
              "| model (random weights) | clients | ok / failed | out tok/s | TTFT p50 ms | TPOT p50 ms | GPU MiB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in report["rows"]:

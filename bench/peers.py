@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine.hardware import available_cores, machine_cpu_flags
 
-from .server import REPO, free_port, http_status, signal_group, start_gunicorn
+from app.ops.gunicorn_process import REPO, free_port, http_status, signal_group, start_gunicorn
 
 logger = logging.getLogger(__name__)
 

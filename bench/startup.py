@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from .peers import ProcessServer, llama_server_command
-from .server import REPO, free_port, http_status, start_gunicorn
+from app.ops.gunicorn_process import REPO, free_port, http_status, start_gunicorn
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     if not model.is_file():
         parser.error(f"no such file: {model}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in (__name__, "bench.peers", "bench.server"):
+    for name in (__name__, "bench.peers", "app.ops.gunicorn_process"):
         logging.getLogger(name).setLevel(logging.INFO)
     results = []
     for index, kind in enumerate(kinds):

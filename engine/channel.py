@@ -1,8 +1,8 @@
 """The pipes between the engine and its model worker: whole pickled messages, each read and write bounded.
 
 multiprocessing's Queue gives every message to a feeder thread that writes it, so each message waits for one more
-thread to wake; on a 2-core host that was ~0.3 ms a decode step beside a ~10 ms step. Here the sending thread
-writes the message itself. The file descriptors are non-blocking and every wait is a `poll` with a deadline: a
+thread to wake (docs/benchmarks.md, "Measurements behind the code's constants"). Here the sending thread writes the
+message itself. The file descriptors are non-blocking and every wait is a `poll` with a deadline: a
 peer that stopped (SIGSTOP, a hung step) mid-message cannot hold the other side, and a message larger than the
 pipe (a long prompt) is written as the reader takes it. A send cut off mid-message (a timeout, an exception
 between writes) leaves the stream out of step: the channel is then broken, and the caller drops it (the executor

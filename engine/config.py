@@ -41,7 +41,7 @@ class EngineConfig:
     # file of them is (per `weights`); none: its own weights, on its own forward.
     quantize: str = "none"
     device: str = "auto"
-    max_batch_size: int = 16  # 16 clients decode together (8 left the other 8 queueing ~20 s: docs/benchmarks.md)
+    max_batch_size: int = 16  # 16 clients decode together (at 8 the other 8 queued: docs/benchmarks.md)
     max_queue: int = 256
     # Keys and values of the batch: on the 4-bit path each row holds its own (prompt + max_tokens), so the sum of the
     # rows'; elsewhere rows x the longest row (a padded batch). The default, 16 x 8,192, lets a full batch of the
@@ -74,12 +74,12 @@ class EngineConfig:
     # (docs/benchmarks.md).
     batch_invariant: bool = True
     # hf, Llama-shaped models: decode steps and prompt chunks run by engine/backends/fast_forward.py (fused
-    # projections, no per-module overhead) instead of the model's forward (tests/test_fast_forward.py).
+    # projections, no per-module overhead) instead of the model's forward (tests/backends/test_fast_forward.py).
     fast_decode: bool = True
     # hf fast forward, bfloat16, one torch thread, a CPU with AVX512-BF16 and a C compiler: its matmuls, decode
     # attention and norms run on lockstep's kernels (engine/backends/bf16_kernels.c; a step in about half the time)
     # instead of oneDNN's matmuls, whose numbers the model's own forward gives bit for bit. Rounding differs from
-    # oneDNN's, accuracy alike (tests/test_bf16_kernels.py).
+    # oneDNN's, accuracy alike (tests/backends/test_bf16_kernels.py).
     bf16_kernel: bool = True
     # On those kernels, decode steps of at most this many rows share their weight matmuls with a helper thread,
     # on the core left to the server (0: never).
@@ -132,7 +132,7 @@ class EngineConfig:
     @property
     def num_threads(self) -> int:
         """Leave one core to the server process: torch's spinning threads stall badly when they must share
-        every core (measured: 64 tokens 4 s idle, 20-29 s beside two busy processes; one thread: 6 s and 8 s)."""
+        every core (docs/benchmarks.md, "Measurements behind the code's constants")."""
         return self.threads or max(1, available_cores() - 1)
 
     @classmethod

@@ -79,9 +79,8 @@ def affinity_cores() -> int:
 
 def cores_within(cores: int, quota: float | None) -> int:
     """No more threads than a CPU quota's whole CPUs (a container's `--cpus`, a Kubernetes CPU limit), at least one:
-    threads beyond it only wait out throttled periods. Measured in a 1-CPU quota on a 2-core host, 2 kernel threads
-    served 177 / 643-669 tok/s at 1 / 8 clients against one thread's 285-291 / 809-836; in a 1.5-CPU quota 247 / 858
-    against 282 / 836, so a fraction rounds down (docs/benchmarks.md)."""
+    threads beyond it only wait out throttled periods, and a fraction rounds down (measured in docs/benchmarks.md,
+    "Measurements behind the code's constants")."""
     return max(1, min(cores, int(quota))) if quota is not None else cores
 
 

@@ -27,21 +27,20 @@ ANY_JSON_OBJECT = {"type": "object"}
 FORMAT_KEYS = {"type", "json_schema"}
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 # Bounds on what one schema may cost: building its lexer (parent and worker) and each token's mask (worker).
-# llguidance's own defaults are 1,000,000 / 200,000 / 500,000; these keep a hostile schema to ~10 ms a step.
+# llguidance's own defaults are 1,000,000 / 200,000 / 500,000; these keep a hostile schema's step short (its cost:
+# docs/benchmarks.md, "Measurements behind the code's constants").
 # Without verbose errors a refusal does not carry the parser's state and grammar (hundreds of bytes).
 PARSER_LIMITS = {"initial_lexer_fuel": 500_000, "step_lexer_fuel": 100_000, "max_grammar_size": 100_000,
                  "verbose_errors": False}
 # Clients tend to send the same schema with every request: its check (parent) and its fresh matcher (worker) are
-# kept for the most recent ones. The largest schema that passes the size bound (2,000 properties) costs about
-# 130 ms to check and 200 ms to build the first time; a kept matcher is copied in well under 1 ms.
+# kept for the most recent ones: a kept matcher is copied in far less time than a large schema takes to check and
+# build the first time (docs/benchmarks.md).
 NUM_KEPT_SCHEMAS = 32
 # llguidance spells out every item an array or object may hold (minItems 10**9 allocates until the kernel kills
 # the process, a Rust abort nothing can catch) and every repeat of a pattern's `{n,m}`, nested repeats multiplied.
-# Their sum over a schema is bounded before llguidance sees it. Measured on the 2-core CPU: at this bound the
-# costliest schemas found (maxItems 16384; arrays of 8000 arrays of 8000) take 0.35 s and a 74 MB peak to check in
-# the parent and 0.26 s to build in the worker, whose kept matcher holds ~16 MB; minProperties and patterns at the
-# bound cost under 50 ms and 10 MB. String lengths are not spelled out (minLength 600,000: 35 ms, 5 MB), so only
-# the context bounds them. Without this bound minItems 10**7 took 944 MB; 10**9 aborts the process.
+# Their sum over a schema is bounded before llguidance sees it (what the costliest schemas at this bound take to
+# check and build, and what they took without it: docs/benchmarks.md). String lengths are not spelled out, so
+# only the context bounds them. Without this bound minItems 10**9 aborts the process.
 MAX_EXPANSION = 16_384
 # What no answer can exceed when the caller does not say: SmolLM2's 8,192-token context x its longest token (81).
 DEFAULT_MAX_OUTPUT_CHARS = 8192 * 81

@@ -1,8 +1,8 @@
 """A sequence's state as the scheduler sees it: its token ids, sampling, status and timings.
 
-Text (detokenizing, stop strings, logprobs, events) is the output side's (output_processor.py, which makes the
-outputs.py records); a request with
-n > 1 (or best_of) is a group of Sequences, one per sample, that share the request's id as `group_id`.
+Text (detokenizing, stop strings, logprobs, events) is the output side's: output_processor.py, which makes the
+records of outputs.py. A request with n > 1 (or best_of) is a group of Sequences, one per sample, that share the
+request's id as `group_id`.
 """
 import time
 from dataclasses import dataclass, field

@@ -2,6 +2,7 @@
 import dataclasses
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 from werkzeug.serving import make_server
@@ -11,15 +12,27 @@ from engine import EngineConfig, LLMEngine
 from .torch_jobs import run_job
 
 
+TESTS = Path(__file__).resolve().parent
+# Each folder of tests/ is a group, and its name a marker (registered in setup.cfg): `pytest -m engine` runs one
+# group, `make test-fast` the folders unit/ and engine/.
+GROUPS = ("unit", "engine", "backends", "server", "responses", "tools", "page", "robustness", "bench", "docs")
+
 # `make test` runs the suite on every core (pytest-xdist, `--dist loadfile --no-loadscope-reorder`): a module runs
 # in one worker (its module fixtures, live servers among them, start once), handed out in collection order. The
 # longest modules on the 2-core AVX2 host go out early and apart (two of them at once slow each other down: every
-# engine computes on every core), so that none is left to end the run alone; the rest keep their file order.
+# engine computes on every core), so that none is left to end the run alone; the rest go in the order of their file
+# names, whatever their folders (module names are unique across tests/).
 LONGEST_MODULES = {"test_batch_invariance.py": 0, "test_vllm_parallel.py": 12, "test_soak.py": 24}
 
 
+def pytest_itemcollected(item):
+    group = item.path.parent.name
+    if group in GROUPS and item.path.parent.parent == TESTS:
+        item.add_marker(group)
+
+
 def pytest_collection_modifyitems(items):
-    modules = list(dict.fromkeys(item.path.name for item in items))
+    modules = sorted(dict.fromkeys(item.path.name for item in items))
     for name, place in LONGEST_MODULES.items():
         if name in modules:
             modules.remove(name)

@@ -112,7 +112,8 @@ void lockstep_bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *o
 
 /* Decode attention: one query token per row over the row's own slot of the KV cache, grouped-query (each KV head
  * serves `group` query heads, in transformers' order), softmax in float32. The torch path it replaces spent most of
- * its time in per-call overhead of small batched matmuls (18 ms a step at 16 rows x 256 positions).
+ * its time in per-call overhead of small batched matmuls (docs/benchmarks.md, "Measurements behind the code's
+ * constants").
  *
  * query: [rows, kv_heads * group, head_dim]; keys, values: [slots, kv_heads, capacity, head_dim] (row r reads slot
  * r); lengths[r]: positions 0..lengths[r]-1 are attended; out: [rows, kv_heads * group, head_dim];
@@ -381,8 +382,8 @@ static void rotate_heads(uint16_t *heads_of_token, int64_t heads, int64_t head_d
 
 /* A helper thread for the weight matmuls of a decode step. The model worker computes on one core while the server
  * process on the other mostly waits for its next token, so a step's matmuls are shared with a helper on that core
- * (bench.decode_profile at 256 positions: 16 rows 31.9 -> 22.4 ms a step, 8 rows 18.5 -> 14.9 ms; 1 row at 64
- * positions 11.2 -> 9.7 ms, bound by memory, which the second core adds little to). The helper sleeps between steps
+ * (a step of many rows gains most; one row is bound by memory, which the second core adds little to: measured in
+ * docs/benchmarks.md). The helper sleeps between steps
  * (on a futex) and spins during one (a matmul every ~40 us: waking it for each would cost more than its share).
  *
  * The two threads take chunks of a matmul's column blocks from one counter, the caller from the front and the

@@ -4,8 +4,8 @@ it than transformers' forward, on one of two kinds of kernels:
 - lockstep's C kernels (bf16.py, bf16_kernels.c), where they run: bfloat16, one torch thread, a CPU with
   AVX512-BF16 and a C compiler. Each streams its data once and computes every row the same way whatever else the
   step holds; a decode step is one C call (every layer, the final norm, the lm_head). The numbers differ from
-  transformers' by rounding only (tests/test_bf16_kernels.py: as close to float32 as oneDNN's).
-- oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/test_fast_forward.py), each
+  transformers' by rounding only (tests/backends/test_bf16_kernels.py: as close to float32 as oneDNN's).
+- oneDNN elsewhere: the same arithmetic as transformers' forward, bit for bit (tests/backends/test_fast_forward.py), each
   weight reordered once into oneDNN's blocked layout (read much faster than the plain one: docs/benchmarks.md)
   where that gives the plain matmul's numbers bit for bit.
 
@@ -18,7 +18,7 @@ The fused weights are the storage: the model's own weights become views of them,
 models and the fallbacks) reads the same numbers. Each layer runs as a flat sequence of tensor ops: decode steps on
 the slot KV cache (kv_cache.py), prompt chunks on the prompt's own DynamicCache with transformers' SDPA attention
 and the model's own masks. On oneDNN every other op is the one transformers runs, in the same order and dtypes, so
-a row's result does not depend on the other rows and batch invariance holds (tests/test_batch_invariance.py).
+a row's result does not depend on the other rows and batch invariance holds (tests/backends/test_batch_invariance.py).
 
 Used for bfloat16 on CPU (in float32, MKL computes one row differently from several, and a fused weight
 differently from its parts, so fusing would change the numbers there). Models this does not understand (biases,

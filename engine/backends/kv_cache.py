@@ -1,24 +1,22 @@
-"""The decoding batch's KV caches, and the attention that reads them. On the 4-bit path (the default on CPU) each row
-keeps its own (RowKVCache: the batch holds the sum of its rows' lengths); elsewhere the preallocated slot cache
-below, padded to the longest row.
+"""The decoding batch's keys and values, and the attention that reads them: two caches behind one interface.
+
+RowKVCache, on the 4-bit path (the default on CPU): each row keeps its prompt's own cache, so the batch holds the
+sum of its rows' lengths. SlotKVCache elsewhere: one preallocated tensor per layer, padded to the longest row.
 
 In the slot cache each decoding row owns a slot: per layer, keys and values live in one tensor
-[slots, kv_heads, capacity, head_dim] that a decode step writes in place (one indexed store per
-layer, at each row's own position) and reads as the first `num_rows` slots, a contiguous view.
-Nothing is concatenated per step and no row is ever re-padded when another joins or leaves: a
-row that leaves is replaced by the last one (one row copied). The storage grows in whole pages
-of positions and in groups of slots, so its shape changes rarely, and shrinks when the longest
-row leaves. A step attends over the whole capacity: a view of fewer positions is not contiguous,
-and the CPU matmuls then copy every row's keys and values first (docs/benchmarks.md: 3x slower).
+[slots, kv_heads, capacity, head_dim] that a decode step writes in place (one indexed store per layer, at each
+row's own position) and reads as the first `num_rows` slots, a contiguous view. Nothing is concatenated per step and
+no row is ever re-padded when another joins or leaves: a row that leaves is replaced by the last one (one row
+copied). The storage grows in whole pages of positions and in groups of slots, so its shape changes rarely, and
+shrinks when the longest row leaves. A step attends over the whole capacity: a view of fewer positions is not
+contiguous, and the CPU matmuls would copy every row's keys and values first (measured in docs/benchmarks.md, "The
+decode step's design"). Rows are left-aligned (position p of a row is column p); positions past a row's length hold
+zeros and are masked with -inf. Where the 4-bit kernels read a slot cache (the lean forward takes either), its keys
+lie in blocks of q4.KEY_BLOCK positions inside the same shape, and a row's copy takes whole blocks.
 
-Rows are left-aligned (position p of a row is column p), positions past a row's length hold
-zeros and are masked with -inf. (The 4-bit path's C forward keeps keys in blocks of q4.KEY_BLOCK
-positions inside the same shape and reads only each row's own positions: a row's copy takes whole
-blocks.) `slot_attention` computes a decode step's attention with two
-matmuls, grouped by KV head: on CPU it is an order of magnitude faster than SDPA's flash kernel
-for one query token (docs/benchmarks.md), and every row's result is bit-identical whatever the
-other rows, the batch size or the span (each score is one dot product; masked positions add exact
-zeros): the basis of batch-invariant greedy decoding.
+`slot_attention` computes a decode step's attention with two matmuls grouped by KV head, instead of SDPA's kernel:
+every row's result is bit-identical whatever the other rows, the batch size or the span (each score is one dot
+product; masked positions add exact zeros), the basis of batch-invariant greedy decoding.
 """
 import logging
 from dataclasses import dataclass

@@ -29,8 +29,9 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
 
 
 def keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    # On CPU a full sort of the vocabulary costs ~5 ms per token (V = 49152) and the nucleus nearly always lies
-    # among the first few hundred tokens: when it does, it is exactly the same set (the same tensor comes out).
+    # On CPU a full sort of the vocabulary is the costliest part of sampling a token (docs/benchmarks.md), and the
+    # nucleus nearly always lies among the first few hundred tokens: when it does, it is exactly the same set (the
+    # same tensor comes out).
     # On a GPU the sort is cheap and the check would wait for the device, so it always sorts.
     if probs.device.type == "cpu" and probs.shape[-1] > NUCLEUS_CANDIDATES:
         top_probs, top_ids = torch.topk(probs, NUCLEUS_CANDIDATES)
@@ -65,9 +66,9 @@ def mask_tokens(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
                     output_counts: torch.Tensor, repetition: float, frequency: float, presence: float) -> torch.Tensor:
-    """vLLM's penalties on one row [V], touching only the tokens concerned (a dense pass over V costs ~1 ms per
-    token on CPU). seen_ids: [S] the distinct tokens of the prompt and the output (repetition: a positive
-    logit is divided by the penalty, a negative one multiplied); output_ids, output_counts: [O] each generated
+    """vLLM's penalties on one row [V], touching only the tokens concerned (a dense pass over V would cost more
+    than the rest of a token's sampling on CPU: docs/benchmarks.md). seen_ids: [S] the distinct tokens of the prompt
+    and the output (repetition: a positive logit is divided by the penalty, a negative one multiplied); output_ids, output_counts: [O] each generated
     token and how often (frequency subtracts per occurrence, presence once)."""
     if repetition != 1.0 and len(seen_ids):
         values = logits[seen_ids]

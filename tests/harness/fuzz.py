@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.server import ServerUnderTest, start_gunicorn
+from app.ops.gunicorn_process import ServerUnderTest, start_gunicorn
 
 from . import load
 from .fuzzcases import RestCase, WsSession, make_case

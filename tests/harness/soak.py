@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.server import ServerUnderTest, start_gunicorn
+from app.ops.gunicorn_process import ServerUnderTest, start_gunicorn
 
 from . import load
 from .fuzz import Findings, RestartBaseline, run_case, worker_restarts

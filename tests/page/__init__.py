@@ -1,0 +1,1 @@
+"""The chat page in headless Chromium (Playwright) against a live server. Marker `page`."""
