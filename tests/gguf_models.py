@@ -51,6 +51,32 @@ def stored_blocks(values: np.ndarray, type_name: str, rng: np.random.Generator) 
     return blocks.reshape(rows, -1)
 
 
+def q4_k_quantized(values: np.ndarray) -> np.ndarray:
+    """`values` ([rows, columns] float32, columns % 256 == 0) as Q4_K blocks by a plain min/max rounding (gguf-py
+    quantizes no K-quant): each 32 values' minimum and step, as 6-bit multiples of the super-block's fp16 dmin and d.
+    Unlike random blocks, each sub-block's minimum centers its values (random Q4_K weights all lean one way, and
+    a model of them answers one token to everything)."""
+    rows = values.shape[0]
+    x = values.reshape(-1, 8, 32).astype(np.float32)  # [super-blocks, sub-blocks, 32]
+    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    steps, minimums = (high - low) / 15, -low
+    d = (steps.max(-1) / 63).astype(np.float16)
+    dmin = (minimums.max(-1) / 63).astype(np.float16)
+    safe = lambda v: np.where(v == 0, 1, v).astype(np.float32)  # noqa: E731
+    sc = np.clip(np.rint(steps / safe(d)[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(minimums / safe(dmin)[:, None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.rint((x + (dmin.astype(np.float32)[:, None] * m)[..., None]) / safe(scale)[..., None]), 0, 15)
+    q = q.astype(np.uint8)
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)  # ggml's get_scale_min_k4, inverted
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    return blocks.reshape(rows, -1)
+
+
 def tokenizer_fields(embedded_gguf) -> dict:
     return {key: value for key, value in embedded_gguf.metadata.items() if key.startswith("tokenizer.")}
 
@@ -58,8 +84,9 @@ def tokenizer_fields(embedded_gguf) -> dict:
 def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, ...] = TYPE_CYCLE,
                 seed: int = 0, embedding_type: str = "Q8_0", add_bos_to: tuple[str, ...] = (),
                 prompts: tuple[tuple[int, ...], ...] = (), num_tokens: int = 8,
-                chat_template: str | None = None) -> dict:
+                chat_template: str | None = None, quantize_q4_k: bool = False) -> dict:
     """`add_bos_to`: the families whose file says tokenizer.ggml.add_bos_token (the embedded model's says not).
+    `quantize_q4_k`: Q4_K tensors quantized from the values (q4_k_quantized) instead of random blocks.
     `chat_template`: the file's own (else the embedded model's).
     `prompts`: token ids whose `num_tokens` greedy tokens (EOS ignored) the reference computes ("greedy")."""
     import torch
@@ -100,7 +127,8 @@ def write_model(target: str, family: str, tokenizer_dir: str, types: tuple[str, 
             type_name = embedding_type if name in ("model.embed_tokens.weight", "lm_head.weight") \
                 else types[type_index % len(types)]
             type_index += name not in ("model.embed_tokens.weight", "lm_head.weight")
-            blocks = stored_blocks(values, type_name, rng)
+            blocks = q4_k_quantized(values) if quantize_q4_k and type_name == "Q4_K" else \
+                stored_blocks(values, type_name, rng)
             qtype = GGMLQuantizationType[type_name]
             parameter.copy_(torch.from_numpy(np.asarray(quants.dequantize(blocks, qtype), dtype=np.float32)))
             module = name.rsplit(".", 1)[0].split(".", 3)[-1]

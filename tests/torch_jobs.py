@@ -92,16 +92,19 @@ def build_gguf_models(target: str, families: list[str], tokenizer_dir: str, **op
 
 
 def same_blocks_greedy(model_dir: str, gguf: str, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """The float32 model given exactly the weights the 4-bit kernels read from `gguf` (block_repack.py), decoding
-    greedily with its own forward (EOS ignored)."""
+    """The float32 model given exactly the weights the 4-bit kernels read from `gguf` (block_repack.py: as this
+    host's kernels keep them, a file's Q4_0, Q4_K and Q6_K as they are where they interleave), decoding greedily with
+    its own forward (EOS ignored)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.backends.q4 import Q4Weights
+    from engine.backends.q4 import Q4Weights, load_q4_kernels
+    from engine.config import default_cache_dir
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    Q4Weights.from_gguf(gguf, model.config).give_model_the_same_weights(model)
+    kernels = load_q4_kernels(default_cache_dir(), helpers=0, exact=True)
+    Q4Weights.from_gguf(gguf, model.config, kernels).give_model_the_same_weights(model)
     model.generation_config.eos_token_id = None
     with torch.inference_mode():
         return [model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,

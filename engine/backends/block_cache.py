@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BLOCK_CACHE_VERSION = 1  # raise when block_repack.py or the interleaved layout changes what is written
+BLOCK_CACHE_VERSION = 3  # raise when block_repack.py or the interleaved layout changes what is written (3: Q6_K)
 ALIGNMENT = 64  # each weight starts on a cache line
 
 

@@ -41,7 +41,7 @@ from .fast_forward import FastDecoder
 from .kv_cache import RowKVCache, SlotKVCache, kv_budget_within, use_slot_attention
 from .prefix_cache import PrefixCache, restore
 from .gguf_weights import empty_model, load_model
-from .q4 import FORMAT_Q4_1, FORMAT_Q4_1_X8, FORMAT_Q8_0, FORMAT_Q8_0_X8, Q4Kernels, Q4Weights, load_q4_kernels
+from .q4 import Q4Kernels, Q4Weights, format_name, load_q4_kernels
 from .sampler import TokenSampler, add_prompt_logprobs, samplers_for
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ INVARIANT_MIN_ROWS = 2  # batch invariance: oneDNN's matmuls never run at one ro
 INVARIANT_CHUNK_UNITS = 256
 FIRST_CHUNK_TOKENS = 64  # before any chunk was timed
 # A lone prompt's step, no stream beside it: a request that arrives meanwhile waits for the step in progress (a
-# 512-token chunk 7,000 tokens into a prompt took 2.8 s on 2 cores), while shorter chunks cost it a few ms each.
+# 512-token chunk deep into a long prompt takes seconds on 2 cores: docs/benchmarks.md), while shorter chunks cost it
+# little each.
 ALONE_STEP_TARGET_S = 1.0
 PROMPT_LOGPROBS_CHUNK_TOKENS = 256  # echo keeps every position's logits: [chunk, V] float32 (~50 MB at 256)
 
@@ -263,11 +264,10 @@ class HFBackend(Backend):
         return load_bf16_kernels(config.cache_dir)
 
     def _kernel_formats(self) -> str:
-        """The block formats the 4-bit kernels read the layers in ("q4_1", "q4_1+q8_0", ...), "" off that path."""
+        """The block formats the 4-bit kernels read the layers in ("q4_1", "q4_k+q8_0", ...), "" off that path."""
         if self.fast_decoder is None or self.fast_decoder.q4 is None:
             return ""
-        names = {FORMAT_Q4_1: "q4_1", FORMAT_Q4_1_X8: "q4_1", FORMAT_Q8_0: "q8_0", FORMAT_Q8_0_X8: "q8_0"}
-        return "+".join(sorted({names[f] for f in self.fast_decoder.q4_stack.layer_formats}))
+        return "+".join(sorted({format_name(f) for f in self.fast_decoder.q4_stack.layer_formats}))
 
     def _forward_name(self) -> str:
         if self.fast_decoder is None:

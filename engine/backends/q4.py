@@ -1,7 +1,8 @@
 """A GGUF file's model (llama, qwen2, qwen3, gemma3; the embedded model's among them) computed on its own blocks
-with lockstep's 4-bit kernels (q4_kernels.c): the blocks repacked once as Q4_1 or Q8_0 (block_repack.py), read by
-lockstep's matmul, and a decode step or a prompt chunk in one C call, built on first use with the system's C
-compiler (for this CPU: -march=native) into the cache folder and loaded with ctypes.
+with lockstep's 4-bit kernels (q4_kernels.c): the blocks repacked once as Q4_1 or Q8_0, or kept as the file's Q4_0
+and Q4_K where the kernels interleave (block_repack.py), read by lockstep's matmul, and a decode step or a prompt
+chunk in one C call, built on first use with the system's C compiler (for this CPU: -march=native) into the cache
+folder and loaded with ctypes.
 
 `load_q4_kernels` returns None (and says why in the log) where they cannot run: no compiler, or a probe against
 float64 that fails. `Q4Weights.from_gguf` reads the blocks, in transformers' row order, and hands the model the same
@@ -23,7 +24,7 @@ from ..gguf_file import GGUFFile, read_gguf
 from ..hardware import cpu_flags
 from ..memory import release_freed_memory
 from .block_cache import BlockCache
-from .block_repack import REPACKED, kernel_blocks, q8_0_of
+from .block_repack import REPACKED, fused_parts, kernel_blocks
 from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,36 @@ MASKABLE_X86 = {"avx2": "-mno-avx2", "fma": "-mno-fma", "f16c": "-mno-f16c", "av
 MASKABLE_ARM64 = {"asimddp": "-U__ARM_FEATURE_DOTPROD", "asimd": "-U__ARM_NEON"}
 LINK_FLAGS = ("-lm", "-pthread")
 BLOCK = 32
-FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3  # _X8: regrouped by 8 rows (q4_kernels.c)
-BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34}
-INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8}
+# q4_kernels.c's formats. _X8: regrouped by 8 rows, which the AVX2 and NEON kernels read; plain Q4_0 and Q4_K are a
+# file's own blocks, which those kernels read as their Q4_0_X8 and Q4_K_X8 copies (elsewhere block_repack.py makes
+# them Q4_1).
+FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_X8, FORMAT_Q8_0_X8 = 0, 1, 2, 3
+FORMAT_Q4_0_X8, FORMAT_Q4_K_X8, FORMAT_Q4_0, FORMAT_Q4_K = 4, 5, 6, 7
+FORMAT_Q6_K_X8, FORMAT_Q6_K = 8, 9  # a file's Q6_K, read as Q6_K_X8 where the kernels interleave (elsewhere Q8_0)
+BLOCK_BYTES = {FORMAT_Q4_1: 20, FORMAT_Q8_0: 34, FORMAT_Q4_1_X8: 20, FORMAT_Q8_0_X8: 34, FORMAT_Q4_0: 18,
+               FORMAT_Q4_0_X8: 18}  # a row's bytes per block of 32 values
+SUPER_BLOCK = 256
+SUPER_BLOCK_BYTES = {FORMAT_Q4_K: 144, FORMAT_Q4_K_X8: 148,  # a row's bytes per 256 values (Q4_K_X8: 1184 / 8)
+                     FORMAT_Q6_K: 210, FORMAT_Q6_K_X8: 210}
+INTERLEAVED = {FORMAT_Q4_1: FORMAT_Q4_1_X8, FORMAT_Q8_0: FORMAT_Q8_0_X8, FORMAT_Q4_0: FORMAT_Q4_0_X8,
+               FORMAT_Q4_K: FORMAT_Q4_K_X8, FORMAT_Q6_K: FORMAT_Q6_K_X8}
 PLAIN = {interleaved: plain for plain, interleaved in INTERLEAVED.items()}
+FORMAT_NAMES = {FORMAT_Q4_1: "q4_1", FORMAT_Q8_0: "q8_0", FORMAT_Q4_0: "q4_0", FORMAT_Q4_K: "q4_k",
+                FORMAT_Q6_K: "q6_k"}
+
+
+def block_shape(format_: int) -> tuple[int, int]:
+    """(values, bytes) of a row's block in this format."""
+    if format_ in SUPER_BLOCK_BYTES:
+        return SUPER_BLOCK, SUPER_BLOCK_BYTES[format_]
+    return BLOCK, BLOCK_BYTES[format_]
+
+
+def format_name(format_: int) -> str:
+    """"q4_1", "q8_0", "q4_0", "q4_k" or "q6_k", interleaved or not."""
+    return FORMAT_NAMES[PLAIN.get(format_, format_)]
+
+
 PROBE_ROWS = 19
 # what lockstep_q4_forward computes (norms, biases: Q4Layer; Gemma 3's GeGLU, windows and local rotary: Q4Stack)
 KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -120,10 +147,12 @@ class Q4Kernels:
         itself where these kernels read no interleaved copy."""
         if not self.interleaves or weight.format not in INTERLEAVED or weight.out_features % 8:
             return weight
-        out = torch.empty_like(weight.blocks)
-        self._interleave(weight.blocks.data_ptr(), weight.format, weight.out_features, weight.in_features,
-                         out.data_ptr())
-        return QuantizedWeight(out, INTERLEAVED[weight.format], weight.out_features, weight.in_features)
+        format_ = INTERLEAVED[weight.format]
+        values, size = block_shape(format_)
+        out = torch.empty((weight.out_features, weight.in_features // values * size), dtype=torch.uint8)
+        self._interleave(weight.blocks.contiguous().data_ptr(), weight.format, weight.out_features,
+                         weight.in_features, out.data_ptr())
+        return QuantizedWeight(out, format_, weight.out_features, weight.in_features)
 
     def q4_k_as_q4_1(self, data: np.ndarray) -> np.ndarray | None:
         """block_repack's Q4_K repack, in C (the same bytes): None where a scale does not fit float16."""
@@ -147,7 +176,8 @@ class Q4Kernels:
         failed = self._linear(rows.data_ptr(), weight.blocks.data_ptr(), weight.format, out.data_ptr(), rows.shape[0],
                               weight.out_features, weight.in_features, self.helpers, self.exact)
         if failed == -2:
-            raise ValueError("linear: an interleaved weight for kernels that do not read them, or rows % 8")
+            raise ValueError("linear: a format these kernels do not read (an interleaved one where they read none, "
+                             "or rows % 8; a file's Q4_0, Q4_K or Q6_K not interleaved)")
         if failed:
             raise MemoryError("linear: no memory for its scratch buffer")
         return out.view(*x.shape[:-1], weight.out_features)
@@ -225,9 +255,12 @@ class Q4Kernels:
 
     def _interleaved_computes_correctly(self, generator: np.random.Generator) -> bool:
         for fmt in INTERLEAVED:
-            weight = QuantizedWeight(_random_blocks(generator, fmt, 40, 96), fmt, 40, 96)
-            x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, 96), dtype=np.float32))
-            if not self._matmul_holds(self.interleaved(weight), weight, x):
+            depth = 256 if fmt in SUPER_BLOCK_BYTES else 96
+            weight = QuantizedWeight(_random_blocks(generator, fmt, 40, depth), fmt, 40, depth)
+            x = torch.from_numpy(generator.standard_normal((PROBE_ROWS, depth), dtype=np.float32))
+            interleaved, rows = self.interleaved(weight), torch.tensor([9, 0, 39])
+            if not self._matmul_holds(interleaved, weight, x) or \
+                    not torch.equal(self.dequantize_rows(interleaved, rows), weight.dequantized()[rows]):
                 return False
         return True
 
@@ -254,15 +287,15 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor, exact: bool = False) -> tu
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight [out_features, in_features] as GGUF blocks: `blocks` is uint8 [out_features, in_features / 32 *
-    block bytes]."""
+    """A weight [out_features, in_features] as GGUF blocks: `blocks` is uint8 [out_features, row bytes] (block_shape:
+    in_features / values a block, times its bytes)."""
     blocks: torch.Tensor
     format: int
     out_features: int
     in_features: int
 
     def dequantized(self) -> torch.Tensor:
-        """float32, as gguf-py dequantizes (d * q, then + m)."""
+        """float32, as gguf-py dequantizes (d * q, then + m; Q4_K: (d sc) q - dmin m)."""
         return self.rows(torch.arange(self.out_features))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -270,24 +303,19 @@ class QuantizedWeight:
         ids = ids.to(torch.int64).reshape(-1).numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.out_features):
             raise IndexError("token id outside the vocabulary")
-        plain = PLAIN.get(self.format, self.format)
-        size = BLOCK_BYTES[plain]
         raw = self.blocks.numpy()
-        if plain == self.format:
-            raw = raw[ids].reshape(len(ids), -1, size)
-        else:  # each group of 8 rows holds block b of its rows together: gather row j's bytes from it
-            groups = raw.reshape(self.out_features // 8, self.in_features // BLOCK, 8 * size)[ids // 8]
-            positions = _interleaved_positions(plain)[ids % 8]  # [rows, size]
+        if self.format in (FORMAT_Q4_0, FORMAT_Q4_K, FORMAT_Q6_K):  # a file's own blocks: gguf-py's numbers
+            return torch.from_numpy(_gguf_dequantized(raw[ids], format_name(self.format).upper())
+                                    .reshape(len(ids), self.in_features))
+        values, size = block_shape(self.format)
+        if self.format in PLAIN:  # each group of 8 rows holds block b of its rows together: gather row j's bytes
+            groups = raw.reshape(self.out_features // 8, self.in_features // values, 8 * size)[ids // 8]
+            positions = _interleaved_positions(self.format)[ids % 8]  # [rows, size]
             raw = np.take_along_axis(groups, positions[:, None, :], axis=2)
-        scale = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
-        if plain == FORMAT_Q4_1:
-            minimum = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
-            nibbles = raw[..., 4:]
-            values = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32)
-            dense = scale * values + minimum
         else:
-            dense = scale * raw[..., 2:].copy().view(np.int8).astype(np.float32)
-        return torch.from_numpy(dense.reshape(len(ids), self.in_features))
+            raw = raw[ids].reshape(len(ids), -1, size)
+        return torch.from_numpy(_dequantized_blocks(raw, PLAIN.get(self.format, self.format))
+                                .reshape(len(ids), self.in_features))
 
     @staticmethod
     def concat(*weights: "QuantizedWeight") -> "QuantizedWeight":
@@ -433,22 +461,24 @@ class Q4Weights:
         heads, kv_heads = (config.num_attention_heads, config.num_key_value_heads) if gguf.architecture == "llama" \
             else (0, 0)
 
+        # Q4_0 and Q4_K kept as the file's blocks where the kernels read them interleaved (Q4_0_X8, Q4_K_X8)
+        interleaves = kernels is not None and kernels.interleaves
+
         def blocks(name: str, permute_heads: int = 0) -> tuple[int, np.ndarray, int, int]:
             tensor = gguf.tensors.get(name)
             if tensor is None or len(tensor.shape) != 2:
                 raise ValueError(f"{name}: missing or not a matrix")
             in_features, out_features = tensor.shape
-            format_, data = kernel_blocks(tensor.type_name, gguf.tensor_data(name), out_features, kernels)
+            format_, data = kernel_blocks(tensor.type_name, gguf.tensor_data(name), out_features, kernels,
+                                          interleaves)
             if permute_heads:  # convert_hf_to_gguf's q/k row permutation, undone (transformers' row order)
                 data = data.reshape(permute_heads, out_features // permute_heads // 2, 2, -1) \
                     .swapaxes(1, 2).reshape(out_features, -1)
             return format_, data, out_features, in_features
 
         def weight(*parts: tuple[int, np.ndarray, int, int]) -> QuantizedWeight:
-            """One weight of its parts' rows: in one format, Q8_0 where the parts came in both."""
-            formats = {format_ for format_, *_ in parts}
-            chosen = formats.pop() if len(formats) == 1 else FORMAT_Q8_0
-            data = [data if format_ == chosen else q8_0_of(format_, data, kernels) for format_, data, _, _ in parts]
+            """One weight of its parts' rows, in one format (block_repack.fused_parts: Q8_0 where they mix)."""
+            chosen, data = fused_parts([(format_, data) for format_, data, _, _ in parts], kernels)
             data = np.concatenate(data) if len(data) > 1 else data[0]
             if not (data.flags.writeable and data.flags.c_contiguous):  # the file's own blocks, mapped read-only
                 data = np.array(data, order="C")
@@ -618,7 +648,7 @@ class Q4Stack:
         if self.num_layers == 0 or self.num_heads % self.num_kv_heads or self.head_dim % 8 \
                 or self.num_heads // self.num_kv_heads > 8 or self.hidden % BLOCK or self.intermediate % BLOCK \
                 or any((getattr(layer, name).out_features, getattr(layer, name).in_features) != dims
-                       or getattr(layer, name).format not in BLOCK_BYTES
+                       or getattr(layer, name).format not in PLAIN.keys() | INTERLEAVED.keys()
                        for layer in weights.layers for name, dims in expected.items()) \
                 or weights.lm_head.in_features != self.hidden:
             raise ValueError("the 4-bit decode step cannot run this model: shapes it does not take")
@@ -655,14 +685,63 @@ def _repacked(function, data: np.ndarray, in_bytes: int, out_bytes: int) -> tupl
 
 
 def _interleaved_positions(format_: int) -> np.ndarray:
-    """[8, block bytes]: where byte i of row j's block lies in its group of 8 rows (lockstep_q4_interleave's layout:
-    the 8 rows' d, then their m for Q4_1, then vectors of 32 bytes, vector v holding bytes 4v..4v+3 of each row)."""
-    header = 4 if format_ == FORMAT_Q4_1 else 2
-    positions = np.empty((8, BLOCK_BYTES[format_]), dtype=np.int64)
+    """[8, row's block bytes]: where byte i of row j's block lies in its group of 8 rows (lockstep_q4_interleave's
+    layout: the 8 rows' d, then their m for Q4_1, then vectors of 32 bytes, vector v holding bytes 4v..4v+3 of each
+    row). Q4_K_X8's row j reads as d, dmin, its 8 scales, its 8 minimums, then 8 blocks of 16 bytes of nibbles;
+    Q6_K_X8's as d, its 16 scales, then per block 16 bytes of nibbles and 4 and 4 bytes of the high bits' planes."""
+    positions = np.empty((8, block_shape(format_)[1]), dtype=np.int64)
     for j in range(8):
+        if format_ == FORMAT_Q6_K_X8:
+            blocks = [[144 + 192 * b + 32 * (i // 4) + 4 * j + i % 4 for i in range(16)]
+                      + [144 + 192 * b + plane + 4 * j + t for plane in (128, 160) for t in range(4)] for b in range(8)]
+            positions[j] = [2 * j, 2 * j + 1, *(16 + 8 * s + j for s in range(16)), *sum(blocks, [])]
+            continue
+        if format_ == FORMAT_Q4_K_X8:
+            nibbles = [160 + 128 * s + 32 * (i // 4) + 4 * j + i % 4 for s in range(8) for i in range(16)]
+            positions[j] = [2 * j, 2 * j + 1, 16 + 2 * j, 17 + 2 * j, *(32 + 8 * s + j for s in range(8)),
+                            *(96 + 8 * s + j for s in range(8)), *nibbles]
+            continue
+        header = 4 if format_ == FORMAT_Q4_1_X8 else 2
         quants = [8 * header + 32 * (i // 4) + 4 * j + i % 4 for i in range(BLOCK_BYTES[format_] - header)]
         positions[j] = [2 * j, 2 * j + 1, *([16 + 2 * j, 17 + 2 * j] if header == 4 else []), *quants]
     return positions
+
+
+def _dequantized_blocks(raw: np.ndarray, format_: int) -> np.ndarray:
+    """Blocks [rows, blocks, bytes] of a row as `rows` reads them (Q4_0_X8's: d, nibbles; Q4_K_X8's: see
+    _interleaved_positions), in float32 as gguf-py computes them: d q + m (q4_kernels.c's FMA gives the same, d q
+    being exact)."""
+    def half(at: int) -> np.ndarray:
+        return raw[..., at:at + 2].copy().view(np.float16).astype(np.float32)
+
+    def nibbles(at: int) -> np.ndarray:  # Q4_1's order: value i in byte i's low nibble, i + 16 in its high one
+        packed = raw[..., at:].reshape(*raw.shape[:-1], -1, 16)
+        return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)  # [..., blocks, 32]
+
+    if format_ == FORMAT_Q4_1:
+        return half(0) * nibbles(4)[..., 0, :] + half(2)
+    if format_ == FORMAT_Q4_0:
+        d = half(0)
+        return d * nibbles(2)[..., 0, :] + d * np.float32(-8)
+    if format_ == FORMAT_Q6_K:  # (d sc) (q - 32), 16 values by 16
+        shape = raw.shape[:-1]
+        blocks = raw[..., 18:].reshape(*shape, 8, 24)  # per block: 16 bytes of nibbles, two planes of 4
+        low = np.concatenate([blocks[..., :16] & 0x0F, blocks[..., :16] >> 4], axis=-1)
+        shifts = (2 * (np.arange(16) // 4)).astype(np.uint8)  # value i's bits in byte i % 4 of its plane
+        planes = [(blocks[..., 16 + 4 * p:20 + 4 * p][..., np.arange(16) % 4] >> shifts) & 3 for p in (0, 1)]
+        q = (low | (np.concatenate(planes, axis=-1) << 4)).astype(np.float32) - np.float32(32)  # [..., 8, 32]
+        scales = half(0) * raw[..., 2:18].copy().view(np.int8).astype(np.float32)  # [..., 16]
+        return (scales.reshape(*shape, 8, 2, 1) * q.reshape(*shape, 8, 2, 16)).reshape(*shape, 256)
+    if format_ == FORMAT_Q4_K:  # (d sc) q - dmin m, sub-block by sub-block
+        scales, minimums = raw[..., 4:12].astype(np.float32), raw[..., 12:20].astype(np.float32)
+        return (half(0) * scales)[..., None] * nibbles(20) - (half(2) * minimums)[..., None]
+    return half(0) * raw[..., 2:].copy().view(np.int8).astype(np.float32)
+
+
+def _gguf_dequantized(data: np.ndarray, type_name: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    return np.asarray(quants.dequantize(data, GGMLQuantizationType[type_name]), dtype=np.float32)
 
 
 class FileRows:
@@ -698,9 +777,16 @@ def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
 
 
 def _random_blocks(generator: np.random.Generator, fmt: int, rows: int, depth: int) -> torch.Tensor:
-    blocks = generator.integers(0, 256, (rows, depth // BLOCK, BLOCK_BYTES[fmt]), dtype=np.uint8)
-    scales = (generator.standard_normal((rows, depth // BLOCK, 2)) * 0.05).astype(np.float16)
-    blocks[..., 0:4] = scales.view(np.uint8).reshape(rows, depth // BLOCK, 4)
+    """Random blocks of a plain format, their (first two) fp16 scales of about 0.05 (Q4_K: 0.05 / 63; Q6_K's one d,
+    at its end: 0.05 / 2048)."""
+    values, size = block_shape(fmt)
+    blocks = generator.integers(0, 256, (rows, depth // values, size), dtype=np.uint8)
+    if fmt == FORMAT_Q6_K:
+        d = generator.standard_normal((rows, depth // values, 1)) * (0.05 / 2048)
+        blocks[..., 208:210] = d.astype(np.float16).view(np.uint8).reshape(rows, depth // values, 2)
+        return torch.from_numpy(blocks.reshape(rows, -1))
+    scales = (generator.standard_normal((rows, depth // values, 2)) * (0.05 / 63 if fmt == FORMAT_Q4_K else 0.05))
+    blocks[..., 0:4] = scales.astype(np.float16).view(np.uint8).reshape(rows, depth // values, 4)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 

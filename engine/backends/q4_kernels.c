@@ -12,6 +12,10 @@
  * bytes (fp16 scale d, 32 int8; weight j is d * q_j). A weight [N, K] is N rows of K / 32 blocks. On AVX2 (and
  * ARM64's NEON tiles) the weights are read interleaved (Q4_1_X8 for the layers, Q8_0_X8 for the lm_head, made by
  * lockstep_q4_interleave): the same bytes regrouped so that one vector holds 4 weights of 8 columns (NEON: of 4).
+ * A file's Q4_0 and Q4_K are read there as they are, as Q4_0_X8 and Q4_K_X8 (the file's bytes but Q4_K's unpacked
+ * scales: no Q4_1's wider blocks, and gguf-py's numbers), through the Q4_1_X8 tiles (x8_scales, x8_quants); its
+ * Q6_K as Q6_K_X8 (the file's bytes, 6.5625 bits a weight instead of Q8_0's 8.5), by its own 8-bit tiles (two
+ * integer dot products a block, one per 16 values) and the same float32 ones.
  * On 8-bit activations a block's integer dot products for 8 columns are then vertical maddubs (NEON: sdot, or
  * 16-bit multiply-adds) against broadcast activations instead of 8 horizontal sums (a one-row decode step's call
  * 12.7 -> 8.5 ms on a 2-core AVX2 host); on float32 ones (exact) 8 columns' weights are one vector of floats for a
@@ -96,7 +100,39 @@
 #define MIN_UNIT_COLUMNS 16 /* a matmul's units of work shared between threads: at least this many columns, */
 #define UNITS_PER_THREAD 8  /* about this many units per thread */
 
-enum { FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3 };
+#define Q4_0_BYTES 18
+#define Q4_K_BYTES 144 /* per super-block of 256 weights */
+#define SUPER_BLOCK 256
+
+/* The interleaved formats are 2..5 (X8_KIND: their index in the tables of tiles). Plain Q4_0 and Q4_K are the
+ * GGUF's own blocks: only lockstep_q4_interleave and lockstep_q4_dequantize_rows read them (the matmuls read their
+ * interleaved copies; a build that interleaves nothing reads a file's Q4_0 and Q4_K as Q4_1, block_repack.py). */
+enum {
+    FORMAT_Q4_1 = 0, FORMAT_Q8_0 = 1, FORMAT_Q4_1_X8 = 2, FORMAT_Q8_0_X8 = 3, FORMAT_Q4_0_X8 = 4, FORMAT_Q4_K_X8 = 5,
+    FORMAT_Q4_0 = 6, FORMAT_Q4_K = 7, FORMAT_Q6_K_X8 = 8, FORMAT_Q6_K = 9
+};
+/* Q6_K_X8 (8) has its own 8-bit tiles (q6_x8_tile, q6_x8_tile16); BY_4_BIT_FORMAT (the other 8-bit tiles) leaves
+ * it out. */
+#define X8_KIND(format) ((format) == FORMAT_Q6_K_X8 ? 4 : (format) - FORMAT_Q4_1_X8)
+#define X8_KINDS 5
+/* CALL(F) with F the constant of an interleaved `format` (of a 4-bit one): the code built for each format, chosen
+ * at run time. */
+#define BY_4_BIT_FORMAT(format, CALL)                                                                               \
+    do {                                                                                                            \
+        if ((format) == FORMAT_Q4_0_X8) CALL(FORMAT_Q4_0_X8);                                                       \
+        else if ((format) == FORMAT_Q4_K_X8) CALL(FORMAT_Q4_K_X8);                                                  \
+        else CALL(FORMAT_Q4_1_X8);                                                                                  \
+    } while (0)
+#define BY_FORMAT(format, CALL)                                                                                     \
+    do {                                                                                                            \
+        if ((format) == FORMAT_Q8_0_X8) CALL(FORMAT_Q8_0_X8);                                                       \
+        else if ((format) == FORMAT_Q6_K_X8) CALL(FORMAT_Q6_K_X8);                                                  \
+        else BY_4_BIT_FORMAT(format, CALL);                                                                         \
+    } while (0)
+
+static inline int is_x8(int format) {
+    return (format >= FORMAT_Q4_1_X8 && format <= FORMAT_Q4_K_X8) || format == FORMAT_Q6_K_X8;
+}
 
 int lockstep_q4_uses_avx2(void) { return LOCKSTEP_AVX2; }
 int lockstep_q4_uses_vnni(void) { return LOCKSTEP_VNNI; }
@@ -151,6 +187,7 @@ static inline int64_t block_bytes(int format) {
     return format == FORMAT_Q8_0 || format == FORMAT_Q8_0_X8 ? Q8_0_BYTES : Q4_1_BYTES;
 }
 
+
 /* Q4_1_X8: for each group of 8 rows (N % 8 == 0) and each block b, 160 bytes: the 8 rows' fp16 scales d, their 8
  * fp16 minimums m, then 4 vectors of 32 bytes, vector i holding bytes 4i..4i+3 of each row's 16 nibble bytes
  * (weights 4i..4i+3 in the low nibbles, 16+4i..16+4i+3 in the high ones), row j in bytes 4j..4j+3. Q8_0_X8 alike:
@@ -158,11 +195,157 @@ static inline int64_t block_bytes(int format) {
 #define UNROLLED _Pragma("GCC unroll 32") /* constant indices: the accumulators stay in registers */
 #define X8_GROUP_BYTES (8 * Q4_1_BYTES)
 #define Q8_X8_GROUP_BYTES (8 * Q8_0_BYTES)
+/* Q4_0_X8: Q4_1_X8 without the minimums (144 bytes a block: the 8 fp16 d, then the 4 vectors of nibbles); its m is
+ * -8 d, exact in float32 (GGUF's Q4_0 weight is d (q - 8)). */
+#define Q4_0_X8_GROUP_BYTES (8 * Q4_0_BYTES)
+/* Q4_K_X8: per group of 8 rows and super-block of 256 weights (8 blocks), 1184 bytes: the 8 rows' fp16 d, their 8
+ * fp16 dmin, then the 6-bit scales sc and minimums m of Q4_K unpacked to a byte each, sub-block j's 8 rows' sc in
+ * bytes 32 + 8j.., their m in 96 + 8j.., then each block's nibbles as Q4_1_X8 lays them out (block j at 160 + 128j).
+ * Weight q of sub-block j is (d sc_j) q - dmin m_j, as gguf-py computes it: d sc_j and dmin m_j are exact in float32
+ * (11 by 6 bits), so a block's scale and minimum are float32 vectors and the Q4_1_X8 code does the rest. 4.625 bits a
+ * weight (Q4_1_X8: 5). */
+#define Q4_K_X8_GROUP_BYTES 1184
+#define Q4_K_X8_SCALES 32
+#define Q4_K_X8_MINIMUMS 96
+#define Q4_K_X8_NIBBLES 160
+/* Q6_K_X8: per group of 8 rows and super-block of 256 weights, 1680 bytes (the file's 210 a row: 6.5625 bits a
+ * weight): the 8 rows' fp16 d; the 16 x 8 int8 scales (16 values each: values 16s.. of row j at 16 + 8s + j); then
+ * per block b of 32 values (at 144 + 192b) the low 4 bits of its 6-bit q as Q4_1_X8 lays out its nibbles (vector i:
+ * values 4i..4i+3 low, 16+4i..16+4i+3 high, row j at bytes 4j..), then their high 2 bits as two 32-byte planes in
+ * the same order: byte 4j + t of the first holds in bits 2i, 2i + 1 those of value 4i + t, the second those of value
+ * 16 + 4i + t. A block's halves (its low and high nibbles) are Q6_K's 16-value sub-blocks: weight q of half h is
+ * (d sc_h) (q - 32), q in 0..63, as gguf-py computes it (d sc_h exact in float32; one rounding). */
+#define Q6_K_BYTES 210
+#define Q6_K_X8_GROUP_BYTES 1680
+#define Q6_K_X8_SCALES 16
+#define Q6_K_X8_BLOCKS 144
+#define Q6_K_X8_BLOCK_BYTES 192
 
-/* `plain` (format Q4_1 or Q8_0, N % 8 == 0 rows) regrouped into `out` as Q4_1_X8 or Q8_0_X8. */
+/* Bytes of a row of K weights (an interleaved format's group of 8 rows: 8 times as many). */
+static inline int64_t row_bytes_of(int format, int64_t k) {
+    switch (format) {
+    case FORMAT_Q4_0: case FORMAT_Q4_0_X8: return k / BLOCK * Q4_0_BYTES;
+    case FORMAT_Q4_K: return k / SUPER_BLOCK * Q4_K_BYTES;
+    case FORMAT_Q4_K_X8: return k / SUPER_BLOCK * Q4_K_X8_GROUP_BYTES / 8;
+    case FORMAT_Q6_K: case FORMAT_Q6_K_X8: return k / SUPER_BLOCK * Q6_K_BYTES;
+    default: return k / BLOCK * block_bytes(format);
+    }
+}
+
+/* Where the interleaved formats differ: block b of a group of 8 rows (`group`: the group's first block) has its 8
+ * columns' scales d and minimums m (Q8_0_X8: zero) and its quantized weights (x8_quants: the 4-bit formats'
+ * nibbles, all laid out as Q4_1_X8's; Q8_0_X8's int8 vectors). Every tile reads its blocks through these, so a
+ * 4-bit format is its two accessors; its d and m are float32 vectors, exact (see Q4_K_X8, Q4_0_X8). */
+static inline __attribute__((always_inline)) const uint8_t *x8_quants(const uint8_t *group, int64_t b,
+                                                                      const int FORMAT) {
+    switch (FORMAT) {
+    case FORMAT_Q4_K_X8: return group + b / 8 * Q4_K_X8_GROUP_BYTES + Q4_K_X8_NIBBLES + 128 * (b % 8);
+    case FORMAT_Q6_K_X8: return group + b / 8 * Q6_K_X8_GROUP_BYTES + Q6_K_X8_BLOCKS + Q6_K_X8_BLOCK_BYTES * (b % 8);
+    case FORMAT_Q4_0_X8: return group + b * Q4_0_X8_GROUP_BYTES + 16;
+    case FORMAT_Q8_0_X8: return group + b * Q8_X8_GROUP_BYTES + 16;
+    default: return group + b * X8_GROUP_BYTES + 32;
+    }
+}
+
+/* Bytes a group's block takes on average (Q4_K_X8: an eighth of its super-block), for fetching ahead. */
+static inline int64_t x8_block_bytes(int format) {
+    switch (format) {
+    case FORMAT_Q4_K_X8: return Q4_K_X8_GROUP_BYTES / 8;
+    case FORMAT_Q6_K_X8: return Q6_K_X8_GROUP_BYTES / 8;
+    case FORMAT_Q4_0_X8: return Q4_0_X8_GROUP_BYTES;
+    case FORMAT_Q8_0_X8: return Q8_X8_GROUP_BYTES;
+    default: return X8_GROUP_BYTES;
+    }
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum. */
+static inline void k4_scale_min(int j, const uint8_t *q, int *scale, int *minimum) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *minimum = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+
+/* Row j's Q4_K super-block (d, dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles) into its place in a
+ * Q4_K_X8 group: Q4_K keeps sub-blocks 2c and 2c + 1 in the low and high nibbles of chunk c's 32 bytes, Q4_1_X8's
+ * nibbles hold weights i and i + 16 of one block in byte i. */
+static void interleave_q4_k(const uint8_t *block, int j, uint8_t *group) {
+    memcpy(group + 2 * j, block, 2);
+    memcpy(group + 16 + 2 * j, block + 2, 2);
+    for (int s = 0; s < 8; s++) {
+        int scale, minimum;
+        k4_scale_min(s, block + 4, &scale, &minimum);
+        group[Q4_K_X8_SCALES + 8 * s + j] = (uint8_t)scale;
+        group[Q4_K_X8_MINIMUMS + 8 * s + j] = (uint8_t)minimum;
+        const uint8_t *chunk = block + 16 + 32 * (s / 2);
+        const int shift = 4 * (s % 2);
+        uint8_t nibbles[16];
+        for (int i = 0; i < 16; i++)
+            nibbles[i] = (uint8_t)(((chunk[i] >> shift) & 0x0F) | (((chunk[i + 16] >> shift) & 0x0F) << 4));
+        for (int v = 0; v < 4; v++) memcpy(group + Q4_K_X8_NIBBLES + 128 * s + 32 * v + 4 * j, nibbles + 4 * v, 4);
+    }
+}
+
+/* The 256 6-bit q (0..63) of a Q6_K super-block (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
+ * fp16 d), in order, as ggml's dequantize_row_q6_K reads them. */
+static void q6_k_values(const uint8_t *block, uint8_t q[SUPER_BLOCK]) {
+    const uint8_t *ql = block, *qh = block + 128;
+    for (int half = 0; half < 2; half++)
+        for (int l = 0; l < 32; l++) {
+            const int at = half * 128 + l;
+            const uint8_t low = ql[half * 64 + l], high = ql[half * 64 + l + 32], bits = qh[half * 32 + l];
+            q[at] = (uint8_t)((low & 0x0F) | ((bits & 3) << 4));
+            q[at + 32] = (uint8_t)((high & 0x0F) | (((bits >> 2) & 3) << 4));
+            q[at + 64] = (uint8_t)((low >> 4) | (((bits >> 4) & 3) << 4));
+            q[at + 96] = (uint8_t)((high >> 4) | (((bits >> 6) & 3) << 4));
+        }
+}
+
+/* Row j's Q6_K super-block into its place in a Q6_K_X8 group (see Q6_K_X8). */
+static void interleave_q6_k(const uint8_t *block, int j, uint8_t *group) {
+    uint8_t q[SUPER_BLOCK];
+    q6_k_values(block, q);
+    memcpy(group + 2 * j, block + 208, 2);
+    for (int s = 0; s < 16; s++) group[Q6_K_X8_SCALES + 8 * s + j] = block[192 + s];
+    for (int b = 0; b < 8; b++) {
+        uint8_t *target = group + Q6_K_X8_BLOCKS + Q6_K_X8_BLOCK_BYTES * b;
+        const uint8_t *v = q + BLOCK * b;
+        for (int t = 0; t < 4; t++) {
+            uint8_t first = 0, second = 0;
+            for (int i = 0; i < 4; i++) {
+                target[32 * i + 4 * j + t] = (uint8_t)((v[4 * i + t] & 0x0F) | ((v[16 + 4 * i + t] & 0x0F) << 4));
+                first |= (uint8_t)((v[4 * i + t] >> 4) << (2 * i));
+                second |= (uint8_t)((v[16 + 4 * i + t] >> 4) << (2 * i));
+            }
+            target[128 + 4 * j + t] = first;
+            target[160 + 4 * j + t] = second;
+        }
+    }
+}
+
+/* `plain` (format Q4_1, Q8_0, Q4_0, Q4_K or Q6_K, N % 8 == 0 rows) regrouped into `out` as Q4_1_X8, Q8_0_X8, Q4_0_X8 or
+ * Q4_K_X8 (row_bytes_of: the same bytes but Q4_K_X8's 4 more a super-block, its scales unpacked). */
 void lockstep_q4_interleave(const uint8_t *plain, int format, int64_t n, int64_t k, uint8_t *out) {
-    const int64_t blocks = k / BLOCK, bytes = block_bytes(format), row_bytes = blocks * bytes;
-    const int header = format == FORMAT_Q4_1 ? 4 : 2, vectors = format == FORMAT_Q4_1 ? 4 : 8;
+    const int64_t row_bytes = row_bytes_of(format, k);
+    if (format == FORMAT_Q4_K || format == FORMAT_Q6_K) {
+        const int64_t supers = k / SUPER_BLOCK, in_bytes = format == FORMAT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+        const int64_t out_bytes = format == FORMAT_Q4_K ? Q4_K_X8_GROUP_BYTES : Q6_K_X8_GROUP_BYTES;
+        for (int64_t g = 0; g < n / 8; g++)
+            for (int64_t sb = 0; sb < supers; sb++)
+                for (int j = 0; j < 8; j++) {
+                    const uint8_t *block = plain + (g * 8 + j) * row_bytes + sb * in_bytes;
+                    uint8_t *group = out + (g * supers + sb) * out_bytes;
+                    if (format == FORMAT_Q4_K) interleave_q4_k(block, j, group);
+                    else interleave_q6_k(block, j, group);
+                }
+        return;
+    }
+    const int64_t blocks = k / BLOCK, bytes = row_bytes / blocks;
+    const int header = format == FORMAT_Q4_1 ? 4 : 2, vectors = format == FORMAT_Q8_0 ? 8 : 4;
     for (int64_t g = 0; g < n / 8; g++)
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *group = out + (g * blocks + b) * 8 * bytes;
@@ -175,6 +358,79 @@ void lockstep_q4_interleave(const uint8_t *plain, int format, int64_t n, int64_t
         }
 }
 
+/* Block b (32 weights) of row `id` of a weight of any format, dequantized as gguf-py does: d q + m, where d q is
+ * exact in float32 (Q4_0: m = -8 d, so d (q - 8); Q4_K: d = d sc, m = -(dmin m), both exact); Q8_0: d q. */
+static void dequantize_row_block(const uint8_t *weight, int format, int64_t id, int64_t b, int64_t k, float *out) {
+    const int64_t row_bytes = row_bytes_of(format, k);
+    if (format == FORMAT_Q4_1 || format == FORMAT_Q8_0) {
+        dequantize_block(weight + id * row_bytes + b * block_bytes(format), format, out);
+        return;
+    }
+    const uint8_t *row = weight + id * row_bytes, *group = weight + id / 8 * 8 * row_bytes;
+    const int j = (int)(id % 8), s = (int)(b % 8);
+    uint8_t nibbles[16];
+    float d, m;
+    if (format == FORMAT_Q6_K || format == FORMAT_Q6_K_X8) { /* (d sc) (q - 32), as gguf-py */
+        uint8_t q[BLOCK];
+        float scales[2];
+        if (format == FORMAT_Q6_K) {
+            const uint8_t *block = row + b / 8 * Q6_K_BYTES;
+            uint8_t all[SUPER_BLOCK];
+            q6_k_values(block, all);
+            memcpy(q, all + BLOCK * s, BLOCK);
+            d = half_to_float(read_half(block + 208));
+            for (int h = 0; h < 2; h++) scales[h] = d * (float)(int8_t)block[192 + 2 * s + h];
+        } else {
+            const uint8_t *g = group + b / 8 * Q6_K_X8_GROUP_BYTES, *v = x8_quants(group, b, FORMAT_Q6_K_X8);
+            d = half_to_float(read_half(g + 2 * j));
+            for (int h = 0; h < 2; h++) scales[h] = d * (float)(int8_t)g[Q6_K_X8_SCALES + 8 * (2 * s + h) + j];
+            for (int i = 0; i < 16; i++) {
+                const int at = 32 * (i / 4) + 4 * j + i % 4, shift = 2 * (i / 4);
+                q[i] = (uint8_t)((v[at] & 0x0F) | (((v[128 + 4 * j + i % 4] >> shift) & 3) << 4));
+                q[i + 16] = (uint8_t)((v[at] >> 4) | (((v[160 + 4 * j + i % 4] >> shift) & 3) << 4));
+            }
+        }
+        for (int i = 0; i < BLOCK; i++) out[i] = scales[i / 16] * (float)((int)q[i] - 32);
+        return;
+    }
+    if (format == FORMAT_Q8_0_X8) {
+        const uint8_t *g = group + b * Q8_X8_GROUP_BYTES;
+        d = half_to_float(read_half(g + 2 * j));
+        for (int i = 0; i < BLOCK; i++) out[i] = d * (float)(int8_t)g[16 + 32 * (i / 4) + 4 * j + i % 4];
+        return;
+    }
+    if (format == FORMAT_Q4_0) {
+        d = half_to_float(read_half(row + b * Q4_0_BYTES)), m = -8.0f * d;
+        memcpy(nibbles, row + b * Q4_0_BYTES + 2, 16);
+    } else if (format == FORMAT_Q4_K) {
+        const uint8_t *block = row + b / 8 * Q4_K_BYTES, *chunk = block + 16 + 32 * (s / 2);
+        int scale, minimum;
+        k4_scale_min(s, block + 4, &scale, &minimum);
+        d = half_to_float(read_half(block)) * (float)scale, m = -(half_to_float(read_half(block + 2)) * (float)minimum);
+        for (int i = 0; i < 16; i++)
+            nibbles[i] = (uint8_t)(((chunk[i] >> 4 * (s % 2)) & 0x0F) | (((chunk[i + 16] >> 4 * (s % 2)) & 0x0F) << 4));
+    } else {
+        const uint8_t *q;
+        if (format == FORMAT_Q4_K_X8) {
+            const uint8_t *g = group + b / 8 * Q4_K_X8_GROUP_BYTES;
+            d = half_to_float(read_half(g + 2 * j)) * (float)g[Q4_K_X8_SCALES + 8 * s + j];
+            m = -(half_to_float(read_half(g + 16 + 2 * j)) * (float)g[Q4_K_X8_MINIMUMS + 8 * s + j]);
+            q = g + Q4_K_X8_NIBBLES + 128 * s;
+        } else if (format == FORMAT_Q4_0_X8) {
+            const uint8_t *g = group + b * Q4_0_X8_GROUP_BYTES;
+            d = half_to_float(read_half(g + 2 * j)), m = -8.0f * d, q = g + 16;
+        } else { /* Q4_1_X8 */
+            const uint8_t *g = group + b * X8_GROUP_BYTES;
+            d = half_to_float(read_half(g + 2 * j)), m = half_to_float(read_half(g + 16 + 2 * j)), q = g + 32;
+        }
+        for (int i = 0; i < 16; i++) nibbles[i] = q[32 * (i / 4) + 4 * j + i % 4];
+    }
+    for (int i = 0; i < 16; i++) {
+        out[i] = d * (float)(nibbles[i] & 0x0F) + m;
+        out[i + 16] = d * (float)(nibbles[i] >> 4) + m;
+    }
+}
+
 /* ---- The matmul. As llama.cpp does, x is quantized per row to 8 bits in blocks of 32 (a float scale dx, and
  * sx = dx * the sum of the block's values, for Q4_1's minimum), and each block's dot product is one of integers:
  * for Q4_1, dw * dx * sum(q_w * q_x) + mw * sx; for Q8_0, dw * dx * sum(q_w * q_x). */
@@ -184,6 +440,7 @@ struct quantized_x {
     int8_t *q;    /* [M, K] */
     float *scale; /* [M, K / 32] */
     float *sum;   /* [K / 32, M8]: block-major, zero-padded to M8 = M rounded up to 8 rows */
+    int32_t *half_sum; /* [M, K / 16]: each 16 quantized activations' integer sum (Q6_K_X8's q - 32) */
     int64_t m, m8, k;
 };
 
@@ -264,6 +521,12 @@ static void quantize_rows(const float *x, struct quantized_x *out) {
         for (int64_t b = 0; b < blocks; b++)
             quantize_block(x + r * out->k + b * BLOCK, out->q + r * out->k + b * BLOCK, &out->scale[r * blocks + b],
                            &out->sum[b * out->m8 + r]);
+    for (int64_t r = 0; r < out->m; r++)
+        for (int64_t h = 0; h < 2 * blocks; h++) {
+            int32_t total = 0;
+            for (int j = 0; j < 16; j++) total += out->q[r * out->k + 16 * h + j];
+            out->half_sum[r * 2 * blocks + h] = total;
+        }
 }
 
 #if LOCKSTEP_AVX2
@@ -409,22 +672,61 @@ TILES(0, 1) /* 8-bit activations, FORMAT_Q8_0 */
 TILES(1, 0) /* float32 activations */
 TILES(1, 1)
 
-/* 8 columns (one Q4_1_X8 group) x ROWS rows on 8-bit activations: per block, each column's integer dot product
- * sum(q_w * q_x) whole (at most 8 * 3810 in an int16 lane: no overflow), then acc += dot * (dw * dx) and, apart,
- * the minimum's m * sx: the same operations for every row, whatever ROWS. */
+/* 8 bytes at p as 8 floats (Q4_K_X8's unpacked scales or minimums). */
+static inline __m256 bytes_as_floats(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 halves_as_floats(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* 8 int8 at p as 8 floats (Q6_K_X8's scales). */
+static inline __m256 signed_bytes_as_floats(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Block b's d and m (Q6_K_X8: d[h] = d sc_h and m[h] = -32 d sc_h for each half h, exact in float32). */
+static inline __attribute__((always_inline)) void x8_scales(const uint8_t *group, int64_t b, __m256 *d, __m256 *m,
+                                                            const int FORMAT) {
+    if (FORMAT == FORMAT_Q6_K_X8) {
+        const uint8_t *g = group + b / 8 * Q6_K_X8_GROUP_BYTES;
+        const __m256 whole = halves_as_floats(g);
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm256_mul_ps(whole, signed_bytes_as_floats(g + Q6_K_X8_SCALES + 8 * (2 * (b % 8) + h)));
+            m[h] = _mm256_mul_ps(d[h], _mm256_set1_ps(-32.0f));
+        }
+    } else if (FORMAT == FORMAT_Q4_K_X8) {
+        const uint8_t *g = group + b / 8 * Q4_K_X8_GROUP_BYTES;
+        *d = _mm256_mul_ps(halves_as_floats(g), bytes_as_floats(g + Q4_K_X8_SCALES + 8 * (b % 8)));
+        *m = _mm256_xor_ps(_mm256_mul_ps(halves_as_floats(g + 16), bytes_as_floats(g + Q4_K_X8_MINIMUMS + 8 * (b % 8))),
+                           _mm256_set1_ps(-0.0f));
+    } else if (FORMAT == FORMAT_Q4_0_X8) {
+        *d = halves_as_floats(group + b * Q4_0_X8_GROUP_BYTES);
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
+    } else if (FORMAT == FORMAT_Q8_0_X8) {
+        *d = halves_as_floats(group + b * Q8_X8_GROUP_BYTES);
+        *m = _mm256_setzero_ps();
+    } else {
+        *d = halves_as_floats(group + b * X8_GROUP_BYTES);
+        *m = halves_as_floats(group + b * X8_GROUP_BYTES + 16);
+    }
+}
+
+/* 8 columns (one group of a 4-bit format: Q4_1_X8, Q4_0_X8, Q4_K_X8) x ROWS rows on 8-bit activations: per block,
+ * each column's integer dot product sum(q_w * q_x) whole (at most 8 * 3810 in an int16 lane: no overflow), then
+ * acc += dot * (dw * dx) and, apart, the minimum's m * sx: the same operations for every row, whatever ROWS. */
 static inline __attribute__((always_inline)) void x8_tile(const struct quantized_x *x, int64_t row, const uint8_t *group,
-                                                          float *out, int64_t n, const int ROWS) {
+                                                          float *out, int64_t n, const int FORMAT, const int ROWS) {
     const int64_t blocks = x->k / BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[4], minimum[4];
     for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) { /* no software prefetch: it made this loop slower */
-        const uint8_t *g = group + b * X8_GROUP_BYTES;
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        const uint8_t *q = x8_quants(group, b, FORMAT);
+        __m256 d[2], m[2];
+        x8_scales(group, b, d, m, FORMAT);
         __m256i dots[4];
         for (int i = 0; i < 4; i++) {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * i));
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
             __m256i low = _mm256_and_si256(packed, nibble), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             for (int r = 0; r < ROWS; r++) {
                 int32_t first, second; /* activations 4i..4i+3 and 16+4i..16+4i+3 of this block */
@@ -446,11 +748,78 @@ static inline __attribute__((always_inline)) void x8_tile(const struct quantized
 #else
             __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r], ones));
 #endif
-            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x->scale[(row + r) * blocks + b])), acc[r]);
-            minimum[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
+            const __m256 dx = _mm256_set1_ps(x->scale[(row + r) * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d[0], dx), acc[r]);
+            minimum[r] = _mm256_fmadd_ps(m[0], _mm256_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
         }
     }
     for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out + r * n, _mm256_add_ps(acc[r], minimum[r]));
+}
+
+/* Vector i's high 2 bits of a Q6_K_X8 plane (bits 2i, 2i + 1 of each byte) moved to bits 4, 5. The 16-bit shifts
+ * carry bits across bytes only into bits the mask clears. */
+static inline __attribute__((always_inline)) __m256i q6_high_bits(__m256i plane, int i) {
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    if (i == 0) return _mm256_and_si256(_mm256_slli_epi16(plane, 4), mask);
+    if (i == 1) return _mm256_and_si256(_mm256_slli_epi16(plane, 2), mask);
+    if (i == 2) return _mm256_and_si256(plane, mask);
+    return _mm256_and_si256(_mm256_srli_epi16(plane, 2), mask);
+}
+
+/* 8 columns (one Q6_K_X8 group) x ROWS rows on 8-bit activations: per block and half h (the low nibbles' 16 values,
+ * then the high ones'), each column's integer dot product over the unsigned 6-bit q, less 32 times the half's sum
+ * of activations (x->half_sum): sum((q - 32) q_x) exactly (|.| <= 16 * 95 * 127 in int32; maddubs's int16 lanes
+ * hold two of its pairs, 2 * 2 * 63 * 127 <= 32004, before widening), then acc += that * (d sc_h * dx). */
+static inline __attribute__((always_inline)) void q6_x8_tile(const struct quantized_x *x, int64_t row,
+                                                             const uint8_t *group, float *out, int64_t n,
+                                                             const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *q = x8_quants(group, b, FORMAT_Q6_K_X8);
+        __m256 d[2], m[2];
+        x8_scales(group, b, d, m, FORMAT_Q6_K_X8);
+        const __m256i planes[2] = {_mm256_loadu_si256((const __m256i *)(q + 128)),
+                                   _mm256_loadu_si256((const __m256i *)(q + 160))};
+        __m256i dots[4][2];
+#if !LOCKSTEP_VNNI
+        __m256i pairs[4][2];
+#endif
+        UNROLLED
+        for (int i = 0; i < 4; i++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(q + 32 * i));
+            __m256i w[2] = {_mm256_or_si256(_mm256_and_si256(packed, nibble), q6_high_bits(planes[0], i)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+                                            q6_high_bits(planes[1], i))};
+            for (int r = 0; r < ROWS; r++)
+                for (int h = 0; h < 2; h++) {
+                    int32_t four; /* activations 16h+4i..16h+4i+3 of this block */
+                    memcpy(&four, x->q + (row + r) * x->k + b * BLOCK + 16 * h + 4 * i, 4);
+#if LOCKSTEP_VNNI
+                    dots[r][h] = dot4_add(i ? dots[r][h] : _mm256_setzero_si256(), w[h], _mm256_set1_epi32(four));
+#else
+                    __m256i two = _mm256_maddubs_epi16(w[h], _mm256_set1_epi32(four));
+                    if (i % 2 == 0) {
+                        pairs[r][h] = two;
+                    } else {
+                        __m256i sums = _mm256_madd_epi16(_mm256_add_epi16(pairs[r][h], two), _mm256_set1_epi16(1));
+                        dots[r][h] = i == 1 ? sums : _mm256_add_epi32(dots[r][h], sums);
+                    }
+#endif
+                }
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 dx = _mm256_set1_ps(x->scale[(row + r) * blocks + b]);
+            for (int h = 0; h < 2; h++) {
+                const int32_t sum = 32 * x->half_sum[(row + r) * 2 * blocks + 2 * b + h];
+                __m256i whole = _mm256_sub_epi32(dots[r][h], _mm256_set1_epi32(sum));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), _mm256_mul_ps(d[h], dx), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm256_storeu_ps(out + r * n, acc[r]);
 }
 
 /* 8 columns (one Q8_0_X8 group) x ROWS rows: per block each column's integer dot product whole (int32 lanes; as
@@ -500,6 +869,45 @@ static inline __m512 two_groups_half(const uint8_t *first, const uint8_t *second
                                                    _mm_loadu_si128((const __m128i *)second), 1));
 }
 
+/* 8 bytes at `first` and 8 at `second` as 16 floats (two groups' Q4_K_X8 scales or minimums). */
+static inline __m512 two_groups_bytes(const uint8_t *first, const uint8_t *second) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)first), _mm_loadl_epi64((const __m128i *)second))));
+}
+
+/* x8_scales of block b of two adjacent groups (`group` and `group` + group_bytes): lane by lane the same floats. */
+static inline __attribute__((always_inline)) void x16_scales(const uint8_t *group, int64_t group_bytes, int64_t b,
+                                                             __m512 *d, __m512 *m, const int FORMAT) {
+    const uint8_t *g, *h;
+    if (FORMAT == FORMAT_Q6_K_X8) { /* d[v], m[v] for each 16 values v, as x8_scales */
+        g = group + b / 8 * Q6_K_X8_GROUP_BYTES, h = g + group_bytes;
+        const __m512 whole = two_groups_half(g, h);
+        for (int v = 0; v < 2; v++) {
+            const int64_t at = Q6_K_X8_SCALES + 8 * (2 * (b % 8) + v);
+            const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(g + at)),
+                                                     _mm_loadl_epi64((const __m128i *)(h + at)));
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            d[v] = _mm512_mul_ps(whole, sc);
+            m[v] = _mm512_mul_ps(d[v], _mm512_set1_ps(-32.0f));
+        }
+        return;
+    }
+    if (FORMAT == FORMAT_Q4_K_X8) {
+        g = group + b / 8 * Q4_K_X8_GROUP_BYTES, h = g + group_bytes;
+        const int64_t scales = Q4_K_X8_SCALES + 8 * (b % 8), minimums = Q4_K_X8_MINIMUMS + 8 * (b % 8);
+        *d = _mm512_mul_ps(two_groups_half(g, h), two_groups_bytes(g + scales, h + scales));
+        const __m512 dmin = two_groups_half(g + 16, h + 16), m_bytes = two_groups_bytes(g + minimums, h + minimums);
+        *m = _mm512_castsi512_ps(
+            _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, m_bytes)), _mm512_set1_epi32((int)0x80000000u)));
+        return;
+    }
+    g = group + b * x8_block_bytes(FORMAT), h = g + group_bytes;
+    *d = two_groups_half(g, h);
+    if (FORMAT == FORMAT_Q4_0_X8) *m = _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f));
+    else if (FORMAT == FORMAT_Q8_0_X8) *m = _mm512_setzero_ps();
+    else *m = two_groups_half(g + 16, h + 16);
+}
+
 #define X8_ROWS16 8 /* rows of an 8-bit 16-column tile: 32 registers hold 8 rows' sums and accumulators */
 /* From this many rows on, the 8-bit matmuls take the 16-column tiles; fewer take the 8-column ones, the same bits
  * (on Zen 5 a step's 8-bit matmuls at 1 / 4 rows 9-25% / 3-20% faster over several A/B runs; on Sapphire Rapids
@@ -521,18 +929,19 @@ static inline __attribute__((always_inline)) void prefetch_two_groups(const uint
  * operations in the same order, so each output is x8_tile's bits. */
 static inline __attribute__((always_inline)) void x8_tile16(const struct quantized_x *x, int64_t row,
                                                             const uint8_t *group, int64_t group_bytes, float *out,
-                                                            int64_t n, const int ROWS) {
-    const int64_t blocks = x->k / BLOCK;
+                                                            int64_t n, const int FORMAT, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK, stride = x8_block_bytes(FORMAT);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 acc[X8_ROWS16], minimum[X8_ROWS16];
     for (int r = 0; r < ROWS; r++) acc[r] = minimum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *g = group + b * X8_GROUP_BYTES, *h = g + group_bytes;
-        prefetch_two_groups(g, h, X8_GROUP_BYTES);
-        __m512 d = two_groups_half(g, h), m = two_groups_half(g + 16, h + 16);
+        const uint8_t *q = x8_quants(group, b, FORMAT);
+        prefetch_two_groups(group + b * stride, group + group_bytes + b * stride, X8_GROUP_BYTES);
+        __m512 d[2], m[2];
+        x16_scales(group, group_bytes, b, d, m, FORMAT);
         __m512i dots[X8_ROWS16];
         for (int i = 0; i < 4; i++) {
-            __m512i packed = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
+            __m512i packed = two_groups(q + 32 * i, q + group_bytes + 32 * i);
             __m512i low = _mm512_and_si512(packed, nibble);
             __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
             for (int r = 0; r < ROWS; r++) {
@@ -555,11 +964,71 @@ static inline __attribute__((always_inline)) void x8_tile16(const struct quantiz
 #else
             __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(dots[r], _mm512_set1_epi16(1)));
 #endif
-            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(x->scale[(row + r) * blocks + b])), acc[r]);
-            minimum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
+            const __m512 dx = _mm512_set1_ps(x->scale[(row + r) * blocks + b]);
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[0], dx), acc[r]);
+            minimum[r] = _mm512_fmadd_ps(m[0], _mm512_set1_ps(x->sum[b * x->m8 + row + r]), minimum[r]);
         }
     }
     for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, _mm512_add_ps(acc[r], minimum[r]));
+}
+
+/* q6_x8_tile on two adjacent groups (16 columns) at once, lane by lane its integers and float operations: its
+ * bits. */
+static inline __attribute__((always_inline)) void q6_x8_tile16(const struct quantized_x *x, int64_t row,
+                                                               const uint8_t *group, int64_t group_bytes, float *out,
+                                                               int64_t n, const int ROWS) {
+    const int64_t blocks = x->k / BLOCK, stride = x8_block_bytes(FORMAT_Q6_K_X8);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), mask = _mm512_set1_epi8(0x30);
+    __m512 acc[X8_ROWS16];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *q = x8_quants(group, b, FORMAT_Q6_K_X8);
+        prefetch_two_groups(group + b * stride, group + group_bytes + b * stride, Q6_K_X8_BLOCK_BYTES);
+        __m512 d[2], m[2];
+        x16_scales(group, group_bytes, b, d, m, FORMAT_Q6_K_X8);
+        const __m512i planes[2] = {two_groups(q + 128, q + group_bytes + 128),
+                                   two_groups(q + 160, q + group_bytes + 160)};
+        __m512i dots[X8_ROWS16][2];
+#if !defined(__AVX512VNNI__)
+        __m512i pairs[X8_ROWS16][2];
+#endif
+        UNROLLED
+        for (int i = 0; i < 4; i++) {
+            __m512i packed = two_groups(q + 32 * i, q + group_bytes + 32 * i), w[2];
+            for (int v = 0; v < 2; v++) { /* q6_high_bits, 16 columns */
+                __m512i high = i == 0 ? _mm512_slli_epi16(planes[v], 4) : i == 1 ? _mm512_slli_epi16(planes[v], 2)
+                             : i == 2 ? planes[v] : _mm512_srli_epi16(planes[v], 2);
+                __m512i low = _mm512_and_si512(v ? _mm512_srli_epi16(packed, 4) : packed, nibble);
+                w[v] = _mm512_or_si512(low, _mm512_and_si512(high, mask));
+            }
+            for (int r = 0; r < ROWS; r++)
+                for (int v = 0; v < 2; v++) {
+                    int32_t four;
+                    memcpy(&four, x->q + (row + r) * x->k + b * BLOCK + 16 * v + 4 * i, 4);
+#if defined(__AVX512VNNI__)
+                    dots[r][v] = _mm512_dpbusd_epi32(i ? dots[r][v] : _mm512_setzero_si512(), w[v],
+                                                     _mm512_set1_epi32(four));
+#else
+                    __m512i two = _mm512_maddubs_epi16(w[v], _mm512_set1_epi32(four));
+                    if (i % 2 == 0) {
+                        pairs[r][v] = two;
+                    } else {
+                        __m512i sums = _mm512_madd_epi16(_mm512_add_epi16(pairs[r][v], two), _mm512_set1_epi16(1));
+                        dots[r][v] = i == 1 ? sums : _mm512_add_epi32(dots[r][v], sums);
+                    }
+#endif
+                }
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 dx = _mm512_set1_ps(x->scale[(row + r) * blocks + b]);
+            for (int v = 0; v < 2; v++) {
+                const int32_t sum = 32 * x->half_sum[(row + r) * 2 * blocks + 2 * b + v];
+                __m512i whole = _mm512_sub_epi32(dots[r][v], _mm512_set1_epi32(sum));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), _mm512_mul_ps(d[v], dx), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + r * n, acc[r]);
 }
 
 /* q8_x8_tile on two adjacent groups (16 columns) at once, lane by lane its operations: its bits. */
@@ -609,38 +1078,49 @@ static inline __attribute__((always_inline)) void q8_x8_tile16(const struct quan
 #define SLICE_BLOCKS 4
 #define EXACT_ROW_TILE 6 /* rows of a float32-activation tile: 12 accumulators, as a float GEMM's 6 x 16 */
 
-/* Position p's weights of 8 columns from a Q4_1_X8 or Q8_0_X8 group's block at `p`, as gguf-py dequantizes them
- * (d * q + m in one FMA: d * q is exact in float32, so it rounds as gguf-py's multiply, then add). Q4_1: vector
- * (p % 16) / 4, byte p % 4 of each column, its high nibble for p >= 16; Q8_0: vector p / 4, byte p % 4. */
-static inline __attribute__((always_inline)) __m256 x8_weights(const uint8_t *block, int position, __m256 d, __m256 m,
-                                                               const int FORMAT) {
-    if (FORMAT == FORMAT_Q4_1_X8) {
-        __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * (position % 16 / 4)));
+/* Position p's weights of 8 columns from a group's block whose quantized weights are at `quants` (x8_quants), as
+ * gguf-py dequantizes them (d * q + m in one FMA: d * q is exact in float32, so it rounds as gguf-py's multiply,
+ * then add). 4-bit formats: vector (p % 16) / 4, byte p % 4 of each column, its high nibble for p >= 16; Q8_0:
+ * vector p / 4, byte p % 4. */
+static inline __attribute__((always_inline)) __m256 x8_weights(const uint8_t *quants, int position, const __m256 *ds,
+                                                               const __m256 *ms, const int FORMAT) {
+    const int half = FORMAT == FORMAT_Q6_K_X8 ? position / 16 : 0; /* Q6_K_X8: its 16 values' d and m */
+    const __m256 d = ds[half], m = ms[half];
+    if (FORMAT == FORMAT_Q6_K_X8) { /* the nibble as below, then the high bits from the plane of its half */
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 32 * (position % 16 / 4)));
+        __m256i plane = _mm256_loadu_si256((const __m256i *)(quants + 128 + 32 * (position / 16)));
+        __m256i low = _mm256_and_si256(_mm256_srli_epi32(packed, 8 * (position % 4) + 4 * (position / 16)),
+                                       _mm256_set1_epi32(0x0F));
+        __m256i high = _mm256_and_si256(_mm256_srli_epi32(plane, 8 * (position % 4) + 2 * (position % 16 / 4)),
+                                        _mm256_set1_epi32(3));
+        __m256i q = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
+        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    }
+    if (FORMAT != FORMAT_Q8_0_X8) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 32 * (position % 16 / 4)));
         __m256i q = _mm256_and_si256(_mm256_srli_epi32(packed, 8 * (position % 4) + 4 * (position / 16)),
                                      _mm256_set1_epi32(0x0F));
         return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
     }
-    __m256i packed = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * (position / 4)));
+    __m256i packed = _mm256_loadu_si256((const __m256i *)(quants + 32 * (position / 4)));
     __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(packed, 24 - 8 * (position % 4)), 24);
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
 }
 
-/* Blocks [from, to) of GROUPS groups of 8 columns of a Q4_1_X8 or Q8_0_X8 weight dequantized into `panel`
+/* Blocks [from, to) of GROUPS groups of 8 columns of an interleaved weight dequantized into `panel`
  * [to - from][BLOCK][GROUPS][8] floats. */
 static inline __attribute__((always_inline)) void dequantize_panel(const uint8_t *group, int64_t group_bytes,
                                                                    int64_t from, int64_t to, float *panel,
                                                                    const int FORMAT, const int GROUPS) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
     for (int64_t b = from; b < to; b++)
         for (int g = 0; g < GROUPS; g++) {
-            const uint8_t *p = group + g * group_bytes + b * bytes;
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            __m256 m = FORMAT == FORMAT_Q4_1_X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                                                : _mm256_setzero_ps();
+            __m256 d[2], m[2];
+            x8_scales(group + g * group_bytes, b, d, m, FORMAT);
+            const uint8_t *q = x8_quants(group + g * group_bytes, b, FORMAT);
             UNROLLED
             for (int position = 0; position < BLOCK; position++)
                 _mm256_store_ps(panel + (((b - from) * BLOCK + position) * GROUPS + g) * 8,
-                                x8_weights(p, position, d, m, FORMAT));
+                                x8_weights(q, position, d, m, FORMAT));
         }
 }
 
@@ -683,27 +1163,24 @@ static inline __attribute__((always_inline)) void exact_panel_tile(const struct 
 static inline __attribute__((always_inline)) void exact_row_tile(const struct quantized_x *x, int64_t row,
                                                                  const uint8_t *group, int64_t group_bytes,
                                                                  float *out, const int FORMAT, const int GROUPS) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
     __m256 acc[4];
     UNROLLED
     for (int g = 0; g < GROUPS; g++) acc[g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < x->k / BLOCK; b++) {
         const float *xs = x->xf + row * x->k + b * BLOCK;
-        __m256 d[4], m[4];
+        __m256 d[4][2], m[4][2];
+        const uint8_t *q[4];
         UNROLLED
         for (int g = 0; g < GROUPS; g++) {
-            const uint8_t *p = group + g * group_bytes + b * bytes;
-            d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-            m[g] = FORMAT == FORMAT_Q4_1_X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                                            : _mm256_setzero_ps();
+            x8_scales(group + g * group_bytes, b, d[g], m[g], FORMAT);
+            q[g] = x8_quants(group + g * group_bytes, b, FORMAT);
         }
         UNROLLED
         for (int position = 0; position < BLOCK; position++) {
             __m256 activation = _mm256_broadcast_ss(xs + position);
             UNROLLED
             for (int g = 0; g < GROUPS; g++)
-                acc[g] = _mm256_fmadd_ps(x8_weights(group + g * group_bytes + b * bytes, position, d[g], m[g], FORMAT),
-                                         activation, acc[g]);
+                acc[g] = _mm256_fmadd_ps(x8_weights(q[g], position, d[g], m[g], FORMAT), activation, acc[g]);
         }
     }
     UNROLLED
@@ -711,27 +1188,39 @@ static inline __attribute__((always_inline)) void exact_row_tile(const struct qu
 }
 
 #if LOCKSTEP_AVX512
-/* One block of two adjacent groups (16 columns) as x8_weights reads it: d, m (zero for Q8_0) and the packed
- * vectors (Q4_1: 4, Q8_0: 8), each lane the column's bytes of x8_weights' vector. */
-static inline __attribute__((always_inline)) void x16_block(const uint8_t *g, const uint8_t *h, __m512i packed[8],
-                                                            __m512 *d, __m512 *m, const int FORMAT) {
-    *d = two_groups_half(g, h);
-    if (FORMAT == FORMAT_Q4_1_X8) {
-        *m = two_groups_half(g + 16, h + 16);
+/* Block b of two adjacent groups (16 columns) as x8_weights reads it: d, m (zero for Q8_0; Q6_K_X8: per 16 values)
+ * and the packed vectors (4-bit formats: 4, Q8_0: 8, Q6_K_X8: 4 and its 2 planes), each lane the column's bytes of
+ * x8_weights' vector. */
+static inline __attribute__((always_inline)) void x16_block(const uint8_t *group, int64_t group_bytes, int64_t b,
+                                                            __m512i packed[8], __m512 *d, __m512 *m, const int FORMAT) {
+    const uint8_t *q = x8_quants(group, b, FORMAT);
+    x16_scales(group, group_bytes, b, d, m, FORMAT);
+    if (FORMAT == FORMAT_Q8_0_X8) {
         UNROLLED
-        for (int i = 0; i < 4; i++) packed[i] = two_groups(g + 32 + 32 * i, h + 32 + 32 * i);
+        for (int i = 0; i < 8; i++) packed[i] = two_groups(q + 32 * i, q + group_bytes + 32 * i);
+    } else if (FORMAT == FORMAT_Q6_K_X8) { /* 4 vectors of nibbles, then the 2 planes of high bits */
+        UNROLLED
+        for (int i = 0; i < 6; i++) packed[i] = two_groups(q + 32 * i, q + group_bytes + 32 * i);
     } else {
-        *m = _mm512_setzero_ps();
         UNROLLED
-        for (int i = 0; i < 8; i++) packed[i] = two_groups(g + 16 + 32 * i, h + 16 + 32 * i);
+        for (int i = 0; i < 4; i++) packed[i] = two_groups(q + 32 * i, q + group_bytes + 32 * i);
     }
 }
 
-/* Position p's weights of those 16 columns: x8_weights' operations lane by lane (d * q + m in one FMA for Q4_1,
- * d * q for Q8_0), so the same floats. */
-static inline __attribute__((always_inline)) __m512 x16_weights(const __m512i packed[8], int position, __m512 d,
-                                                                __m512 m, const int FORMAT) {
-    if (FORMAT == FORMAT_Q4_1_X8) {
+/* Position p's weights of those 16 columns: x8_weights' operations lane by lane (d * q + m in one FMA for the 4-bit
+ * formats, d * q for Q8_0), so the same floats. */
+static inline __attribute__((always_inline)) __m512 x16_weights(const __m512i packed[8], int position, const __m512 *ds,
+                                                                const __m512 *ms, const int FORMAT) {
+    const int half = FORMAT == FORMAT_Q6_K_X8 ? position / 16 : 0;
+    const __m512 d = ds[half], m = ms[half];
+    if (FORMAT == FORMAT_Q6_K_X8) {
+        const int shift = 8 * (position % 4) + 4 * (position / 16), high = 8 * (position % 4) + 2 * (position % 16 / 4);
+        __m512i low = _mm512_and_si512(_mm512_srli_epi32(packed[position % 16 / 4], shift), _mm512_set1_epi32(0x0F));
+        __m512i bits = _mm512_and_si512(_mm512_srli_epi32(packed[4 + position / 16], high), _mm512_set1_epi32(3));
+        __m512i q = _mm512_or_si512(low, _mm512_slli_epi32(bits, 4));
+        return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
+    }
+    if (FORMAT != FORMAT_Q8_0_X8) {
         const int shift = 8 * (position % 4) + 4 * (position / 16);
         __m512i q = _mm512_and_si512(_mm512_srli_epi32(packed[position % 16 / 4], shift), _mm512_set1_epi32(0x0F));
         return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
@@ -747,7 +1236,6 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
                                                                    const uint8_t *group, int64_t group_bytes,
                                                                    float *out, int64_t n, const int FORMAT,
                                                                    const int ROWS, const int PAIRS) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
     __m512 acc[4][2];
     UNROLLED
     for (int r = 0; r < ROWS; r++)
@@ -756,12 +1244,10 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
     for (int64_t b = 0; b < x->k / BLOCK; b++) {
         const float *xs = x->xf + row * x->k + b * BLOCK;
         __m512i packed[2][8];
-        __m512 d[2], m[2];
+        __m512 d[2][2], m[2][2];
         UNROLLED
-        for (int p = 0; p < PAIRS; p++) {
-            const uint8_t *g = group + 2 * p * group_bytes + b * bytes;
-            x16_block(g, g + group_bytes, packed[p], &d[p], &m[p], FORMAT);
-        }
+        for (int p = 0; p < PAIRS; p++)
+            x16_block(group + 2 * p * group_bytes, group_bytes, b, packed[p], d[p], m[p], FORMAT);
         UNROLLED
         for (int position = 0; position < BLOCK; position++)
             UNROLLED
@@ -782,18 +1268,15 @@ static inline __attribute__((always_inline)) void exact_row_tile16(const struct 
 static inline __attribute__((always_inline)) void dequantize_panel16(const uint8_t *group, int64_t group_bytes,
                                                                      int64_t from, int64_t to, float *panel,
                                                                      const int FORMAT, const int PAIRS) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
-    group += from * bytes;
-    for (int64_t b = 0; b < to - from; b++)
+    for (int64_t b = from; b < to; b++)
         UNROLLED
         for (int p = 0; p < PAIRS; p++) {
             __m512i packed[8];
-            __m512 d, m;
-            const uint8_t *g = group + 2 * p * group_bytes + b * bytes;
-            x16_block(g, g + group_bytes, packed, &d, &m, FORMAT);
+            __m512 d[2], m[2];
+            x16_block(group + 2 * p * group_bytes, group_bytes, b, packed, d, m, FORMAT);
             UNROLLED
             for (int position = 0; position < BLOCK; position++)
-                _mm512_store_ps(panel + ((b * BLOCK + position) * PAIRS + p) * 16,
+                _mm512_store_ps(panel + (((b - from) * BLOCK + position) * PAIRS + p) * 16,
                                 x16_weights(packed, position, d, m, FORMAT));
         }
 }
@@ -843,14 +1326,16 @@ typedef void (*rows16_fn)(const struct quantized_x *, int64_t, const uint8_t *, 
     }
 #define ROW_TILES16_FN(F) ROW_TILE16_FN(F, 1, 1) ROW_TILE16_FN(F, 1, 2) ROW_TILE16_FN(F, 2, 1) ROW_TILE16_FN(F, 2, 2) \
     ROW_TILE16_FN(F, 3, 1) ROW_TILE16_FN(F, 3, 2) ROW_TILE16_FN(F, 4, 1) ROW_TILE16_FN(F, 4, 2)
-ROW_TILES16_FN(FORMAT_Q4_1_X8) ROW_TILES16_FN(FORMAT_Q8_0_X8)
+ROW_TILES16_FN(FORMAT_Q4_1_X8) ROW_TILES16_FN(FORMAT_Q8_0_X8) ROW_TILES16_FN(FORMAT_Q4_0_X8)
+ROW_TILES16_FN(FORMAT_Q4_K_X8) ROW_TILES16_FN(FORMAT_Q6_K_X8)
 #define ROW_TILES16_OF(F)                                                                                           \
     {{0}, {0, row_tile16_##F##_1_1, row_tile16_##F##_1_2}, {0, row_tile16_##F##_2_1, row_tile16_##F##_2_2},         \
      {0, row_tile16_##F##_3_1, row_tile16_##F##_3_2}, {0, row_tile16_##F##_4_1, row_tile16_##F##_4_2}}
-/* By format, rows (1 to EXACT_ROWS16) and pairs of groups (1, 2). */
+/* By format (X8_KIND), rows (1 to EXACT_ROWS16) and pairs of groups (1, 2). */
 #define EXACT_ROWS16 4
-static const rows16_fn ROW_TILES16[2][EXACT_ROWS16 + 1][3] = {ROW_TILES16_OF(FORMAT_Q4_1_X8),
-                                                               ROW_TILES16_OF(FORMAT_Q8_0_X8)};
+static const rows16_fn ROW_TILES16[X8_KINDS][EXACT_ROWS16 + 1][3] = {
+    ROW_TILES16_OF(FORMAT_Q4_1_X8), ROW_TILES16_OF(FORMAT_Q8_0_X8), ROW_TILES16_OF(FORMAT_Q4_0_X8),
+    ROW_TILES16_OF(FORMAT_Q4_K_X8), ROW_TILES16_OF(FORMAT_Q6_K_X8)};
 #define PANEL_TILE16(R, P)                                                                                          \
     static void panel_tile16_##R##_##P(const struct quantized_x *x, int64_t row, const float *panel, int64_t from, \
                                        int64_t to, float *out, int64_t n) {                                         \
@@ -866,11 +1351,14 @@ typedef void (*row_fn)(const struct quantized_x *, int64_t, const uint8_t *, int
                                    int64_t group_bytes, float *out) {                                               \
         exact_row_tile(x, row, group, group_bytes, out, F, G);                                                      \
     }
-ROW_TILE_FN(FORMAT_Q4_1_X8, 1) ROW_TILE_FN(FORMAT_Q4_1_X8, 2) ROW_TILE_FN(FORMAT_Q4_1_X8, 4)
-ROW_TILE_FN(FORMAT_Q8_0_X8, 1) ROW_TILE_FN(FORMAT_Q8_0_X8, 2) ROW_TILE_FN(FORMAT_Q8_0_X8, 4)
-static const row_fn ROW_TILES[2][5] = {
-    {0, row_tile_FORMAT_Q4_1_X8_1, row_tile_FORMAT_Q4_1_X8_2, 0, row_tile_FORMAT_Q4_1_X8_4},
-    {0, row_tile_FORMAT_Q8_0_X8_1, row_tile_FORMAT_Q8_0_X8_2, 0, row_tile_FORMAT_Q8_0_X8_4}};
+#define ROW_TILES_FN(F) ROW_TILE_FN(F, 1) ROW_TILE_FN(F, 2) ROW_TILE_FN(F, 4)
+ROW_TILES_FN(FORMAT_Q4_1_X8) ROW_TILES_FN(FORMAT_Q8_0_X8) ROW_TILES_FN(FORMAT_Q4_0_X8) ROW_TILES_FN(FORMAT_Q4_K_X8)
+ROW_TILES_FN(FORMAT_Q6_K_X8)
+#define ROW_TILES_OF(F) {0, row_tile_##F##_1, row_tile_##F##_2, 0, row_tile_##F##_4}
+/* By format (X8_KIND) and groups (1, 2, 4). */
+static const row_fn ROW_TILES[X8_KINDS][5] = {ROW_TILES_OF(FORMAT_Q4_1_X8), ROW_TILES_OF(FORMAT_Q8_0_X8),
+                                              ROW_TILES_OF(FORMAT_Q4_0_X8), ROW_TILES_OF(FORMAT_Q4_K_X8),
+                                              ROW_TILES_OF(FORMAT_Q6_K_X8)};
 
 typedef void (*panel_fn)(const struct quantized_x *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
 #define PANEL_TILE(R, G)                                                                                            \
@@ -906,30 +1394,28 @@ static const panel_fn PANEL_TILES[3][EXACT_ROW_TILE + 1] = {
 static void dequantize_slice(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, float *panel,
                              int format, int groups) {
 #if LOCKSTEP_AVX512
+#define PANEL16(F)                                                                                                  \
+    do {                                                                                                            \
+        if (groups == 4) dequantize_panel16(group, group_bytes, from, to, panel, F, 2);                             \
+        else dequantize_panel16(group, group_bytes, from, to, panel, F, 1);                                         \
+    } while (0)
     if (groups > 1) {
-        if (format == FORMAT_Q4_1_X8) {
-            if (groups == 4) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
-            else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
-        } else {
-            if (groups == 4) dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
-            else dequantize_panel16(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
-        }
+        BY_FORMAT(format, PANEL16);
         return;
     }
 #endif
-    if (format == FORMAT_Q4_1_X8) {
-        if (groups == 2) dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 2);
-        else dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q4_1_X8, 1);
-    } else {
-        if (groups == 2) dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 2);
-        else dequantize_panel(group, group_bytes, from, to, panel, FORMAT_Q8_0_X8, 1);
-    }
+#define PANEL(F)                                                                                                    \
+    do {                                                                                                            \
+        if (groups == 2) dequantize_panel(group, group_bytes, from, to, panel, F, 2);                               \
+        else dequantize_panel(group, group_bytes, from, to, panel, F, 1);                                           \
+    } while (0)
+    BY_FORMAT(format, PANEL);
 }
 
 /* Blocks [from, to) of `groups` adjacent groups into L1: the slice after the one the tiles compute on. */
 static void prefetch_slice(const uint8_t *group, int64_t group_bytes, int64_t from, int64_t to, int format,
                            int groups) {
-    const int64_t bytes = 8 * block_bytes(format);
+    const int64_t bytes = x8_block_bytes(format);
     for (int g = 0; g < groups; g++)
         for (int64_t offset = from * bytes; offset < to * bytes; offset += 64)
             _mm_prefetch((const char *)group + g * group_bytes + offset, _MM_HINT_T0);
@@ -984,12 +1470,11 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
             int64_t c = first;
             for (int pairs; last - c >= 16; c += 16 * pairs) {
                 pairs = last - c >= 32 ? 2 : 1;
-                ROW_TILES16[format == FORMAT_Q8_0_X8][rows][pairs](x, r, weight + c / 8 * group_bytes, group_bytes,
-                                                                   out + r * n + c, n);
+                ROW_TILES16[X8_KIND(format)][rows][pairs](x, r, weight + c / 8 * group_bytes, group_bytes,
+                                                          out + r * n + c, n);
             }
             for (int64_t row = r; c < last && row < r + rows; row++) /* the last 8 columns */
-                ROW_TILES[format == FORMAT_Q8_0_X8][1](x, row, weight + c / 8 * group_bytes, group_bytes,
-                                                       out + row * n + c);
+                ROW_TILES[X8_KIND(format)][1](x, row, weight + c / 8 * group_bytes, group_bytes, out + row * n + c);
         }
         return;
 #endif
@@ -997,8 +1482,7 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
             for (int64_t c = first; c < last;) {
                 int groups = 4;
                 while (8 * groups > last - c) groups /= 2;
-                ROW_TILES[format == FORMAT_Q8_0_X8][groups](x, r, weight + c / 8 * group_bytes, group_bytes,
-                                                             out + r * n + c);
+                ROW_TILES[X8_KIND(format)][groups](x, r, weight + c / 8 * group_bytes, group_bytes, out + r * n + c);
                 c += 8 * groups;
             }
         return;
@@ -1168,6 +1652,40 @@ static inline __attribute__((always_inline)) float32x4_t half_scales(const uint8
     return h ? vcvt_high_f32_f16(eight) : vcvt_f32_f16(vget_low_f16(eight));
 }
 
+/* 8 bytes at p, half h's 4 of them as floats (Q4_K_X8's unpacked scales or minimums). */
+static inline __attribute__((always_inline)) float32x4_t byte_scales(const uint8_t *p, int h) {
+    const uint16x8_t eight = vmovl_u8(vld1_u8(p));
+    return vcvtq_f32_u32(h ? vmovl_high_u16(eight) : vmovl_u16(vget_low_u16(eight)));
+}
+
+/* The AVX2 x8_scales' floats for half h (columns 4h..4h+3) of block b of a group (Q6_K_X8: d[v], m[v] for each
+ * 16 values v, as there). */
+static inline __attribute__((always_inline)) void neon_scales(const uint8_t *group, int64_t b, int h, float32x4_t *d,
+                                                              float32x4_t *m, const int FORMAT) {
+    if (FORMAT == FORMAT_Q6_K_X8) {
+        const uint8_t *g = group + b / 8 * Q6_K_X8_GROUP_BYTES;
+        for (int v = 0; v < 2; v++) {
+            const int16x8_t eight = vmovl_s8(vld1_s8((const int8_t *)g + Q6_K_X8_SCALES + 8 * (2 * (b % 8) + v)));
+            const float32x4_t sc = vcvtq_f32_s32(h ? vmovl_high_s16(eight) : vmovl_s16(vget_low_s16(eight)));
+            d[v] = vmulq_f32(half_scales(g, h), sc);
+            m[v] = vmulq_n_f32(d[v], -32.0f);
+        }
+    } else if (FORMAT == FORMAT_Q4_K_X8) {
+        const uint8_t *g = group + b / 8 * Q4_K_X8_GROUP_BYTES;
+        *d = vmulq_f32(half_scales(g, h), byte_scales(g + Q4_K_X8_SCALES + 8 * (b % 8), h));
+        *m = vnegq_f32(vmulq_f32(half_scales(g + 16, h), byte_scales(g + Q4_K_X8_MINIMUMS + 8 * (b % 8), h)));
+    } else if (FORMAT == FORMAT_Q4_0_X8) {
+        *d = half_scales(group + b * Q4_0_X8_GROUP_BYTES, h);
+        *m = vmulq_n_f32(*d, -8.0f);
+    } else if (FORMAT == FORMAT_Q8_0_X8) {
+        *d = half_scales(group + b * Q8_X8_GROUP_BYTES, h);
+        *m = vdupq_n_f32(0);
+    } else {
+        *d = half_scales(group + b * X8_GROUP_BYTES, h);
+        *m = half_scales(group + b * X8_GROUP_BYTES + 16, h);
+    }
+}
+
 /* The rows' 8-bit activations of block b: bytes 0-15 and 16-31, as lanes of 4 for sdot by element. */
 static inline __attribute__((always_inline)) void block_activations(const struct quantized_x *x, int64_t row,
                                                                     int64_t b, int8x16_t xs[4][2], const int ROWS) {
@@ -1177,13 +1695,14 @@ static inline __attribute__((always_inline)) void block_activations(const struct
     }
 }
 
-/* Per 16 bytes of Q4_1_X8 (4 columns): the low nibbles are weights 4i..4i+3, the high ones 16+4i..16+4i+3. */
+/* Per 16 bytes of a 4-bit format's nibbles (4 columns): the low nibbles are weights 4i..4i+3, the high ones
+ * 16+4i..16+4i+3. */
 #define Q4_1_WEIGHTS(I, H)                                                                                          \
-    const uint8x16_t packed = vld1q_u8(g + 32 + 32 * (I) + 16 * (H));                                              \
+    const uint8x16_t packed = vld1q_u8(q + 32 * (I) + 16 * (H));                                                   \
     const int8x16_t low = vreinterpretq_s8_u8(vandq_u8(packed, vdupq_n_u8(0x0F)));                                  \
     const int8x16_t high = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4))
 /* Q8_0_X8: vector i holds weights 4i..4i+3 of each column (bytes 0-15: columns 0-3). */
-#define Q8_0_WEIGHTS(I, H) const int8x16_t w = vld1q_s8((const int8_t *)g + 16 + 32 * (I) + 16 * (H))
+#define Q8_0_WEIGHTS(I, H) const int8x16_t w = vld1q_s8((const int8_t *)q + 32 * (I) + 16 * (H))
 
 #if LOCKSTEP_NEON_DOT
 /* lane LANE's 4 activations of XS times each column's 4 weights of W, added to row R's half H: sdot by element */
@@ -1232,8 +1751,9 @@ static inline __attribute__((always_inline)) void block_activations(const struct
         }                                                                                                           \
     } while (0)
 
-/* One block's integer dot products of ROWS rows and 8 columns: dots[r][h] lane j is column 4h + j's. */
-static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, int8x16_t xs[4][2],
+/* One block's integer dot products of ROWS rows and 8 columns (its weights at q, x8_quants): dots[r][h] lane j is
+ * column 4h + j's. */
+static inline __attribute__((always_inline)) void block_dots(const uint8_t *q, int8x16_t xs[4][2],
                                                              int32x4_t dots[4][2], const int FORMAT, const int ROWS) {
 #if LOCKSTEP_NEON_DOT
     for (int r = 0; r < ROWS; r++) dots[r][0] = dots[r][1] = vdupq_n_s32(0);
@@ -1244,7 +1764,7 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, i
         for (int h = 0; h < 2; h++)
             for (int k = 0; k < 2; k++) sums[r][h][k] = vdupq_n_s16(0), pairs[r][h][k] = vdupq_n_s32(0);
 #endif
-    if (FORMAT == FORMAT_Q4_1_X8) {
+    if (FORMAT != FORMAT_Q8_0_X8) {
         Q4_1_DOTS(0); Q4_1_DOTS(1); Q4_1_DOTS(2); Q4_1_DOTS(3);
         WIDEN();
     } else { /* a 16-bit lane takes two Q8_0 products */
@@ -1259,40 +1779,110 @@ static inline __attribute__((always_inline)) void block_dots(const uint8_t *g, i
 #endif
 }
 
-/* ROWS rows x 8 columns of a Q4_1_X8 or Q8_0_X8 weight on 8-bit activations. */
+/* ROWS rows x 8 columns of an interleaved weight on 8-bit activations. */
 static inline __attribute__((always_inline)) void neon_x8_tile(const struct quantized_x *x, int64_t row,
                                                                const uint8_t *group, float *out, int64_t n,
                                                                const int FORMAT, const int ROWS) {
-    const int64_t blocks = x->k / BLOCK, bytes = 8 * block_bytes(FORMAT);
+    const int64_t blocks = x->k / BLOCK;
     float32x4_t acc[4][2], minimum[4][2];
     for (int r = 0; r < ROWS; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = minimum[r][h] = vdupq_n_f32(0);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *g = group + b * bytes;
         int8x16_t xs[4][2];
         int32x4_t dots[4][2];
         block_activations(x, row, b, xs, ROWS);
-        block_dots(g, xs, dots, FORMAT, ROWS);
+        block_dots(x8_quants(group, b, FORMAT), xs, dots, FORMAT, ROWS);
         for (int h = 0; h < 2; h++) {
-            const float32x4_t d = half_scales(g, h);
-            const float32x4_t m = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
+            float32x4_t d, m;
+            neon_scales(group, b, h, &d, &m, FORMAT);
             for (int r = 0; r < ROWS; r++) {
                 const float dx = x->scale[(row + r) * blocks + b];
                 acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots[r][h]), vmulq_n_f32(d, dx));
                 const float sx = x->sum[b * x->m8 + row + r];
-                if (FORMAT == FORMAT_Q4_1_X8) minimum[r][h] = vfmaq_n_f32(minimum[r][h], m, sx);
+                if (FORMAT != FORMAT_Q8_0_X8) minimum[r][h] = vfmaq_n_f32(minimum[r][h], m, sx);
             }
         }
     }
     for (int r = 0; r < ROWS; r++)
         for (int h = 0; h < 2; h++)
-            vst1q_f32(out + r * n + 4 * h, FORMAT == FORMAT_Q4_1_X8 ? vaddq_f32(acc[r][h], minimum[r][h]) : acc[r][h]);
+            vst1q_f32(out + r * n + 4 * h, FORMAT != FORMAT_Q8_0_X8 ? vaddq_f32(acc[r][h], minimum[r][h]) : acc[r][h]);
+}
+
+/* Vector i's high 2 bits of a Q6_K_X8 plane (bits 2i, 2i + 1 of each byte) as bits 4, 5. */
+static inline __attribute__((always_inline)) uint8x16_t q6_high_bits(uint8x16_t plane, const int I) {
+    switch (I) {
+    case 0: return vandq_u8(vshlq_n_u8(plane, 4), vdupq_n_u8(0x30));
+    case 1: return vandq_u8(vshlq_n_u8(plane, 2), vdupq_n_u8(0x30));
+    case 2: return vandq_u8(plane, vdupq_n_u8(0x30));
+    default: return vandq_u8(vshrq_n_u8(plane, 2), vdupq_n_u8(0x30));
+    }
+}
+
+/* Block I's 6-bit weights of columns 4h..4h+3 (w[0]: values 4I..4I+3, w[1]: 16+4I..), each half's own dot products
+ * (dots index 2h + v; ARMv8.0: at most 4 products of 63 x 127 in a 16-bit lane, then widened). */
+#define Q6_DOTS(I)                                                                                                  \
+    do {                                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                                               \
+            const uint8x16_t packed = vld1q_u8(q + 32 * (I) + 16 * h);                                             \
+            const int8x16_t w0 = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(packed, vdupq_n_u8(0x0F)),                   \
+                                                              q6_high_bits(vld1q_u8(q + 128 + 16 * h), I)));        \
+            const int8x16_t w1 = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(packed, 4),                                \
+                                                              q6_high_bits(vld1q_u8(q + 160 + 16 * h), I)));        \
+            for (int r = 0; r < ROWS; r++) {                                                                        \
+                DOT_LANE(r, 2 * h, w0, xs[r][0], I);                                                                \
+                DOT_LANE(r, 2 * h + 1, w1, xs[r][1], I);                                                            \
+            }                                                                                                       \
+        }                                                                                                           \
+    } while (0)
+
+/* ROWS rows x 8 columns of a Q6_K_X8 weight on 8-bit activations, as q6_x8_tile on AVX2: per block and 16 values
+ * v, the whole sum((q - 32) q_x), then acc += it * (d sc_v * dx), v = 0 then 1: the same bits. */
+static inline __attribute__((always_inline)) void q6_x8_tile(const struct quantized_x *x, int64_t row,
+                                                             const uint8_t *group, float *out, int64_t n,
+                                                             const int ROWS) {
+    const int64_t blocks = x->k / BLOCK;
+    float32x4_t acc[4][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *q = x8_quants(group, b, FORMAT_Q6_K_X8);
+        int8x16_t xs[4][2];
+        int32x4_t dots[4][4];
+        block_activations(x, row, b, xs, ROWS);
+#if LOCKSTEP_NEON_DOT
+        for (int r = 0; r < ROWS; r++)
+            for (int h = 0; h < 4; h++) dots[r][h] = vdupq_n_s32(0);
+        Q6_DOTS(0); Q6_DOTS(1); Q6_DOTS(2); Q6_DOTS(3);
+#else
+        int16x8_t sums[4][4][2];
+        for (int r = 0; r < ROWS; r++)
+            for (int h = 0; h < 4; h++) sums[r][h][0] = sums[r][h][1] = vdupq_n_s16(0);
+        Q6_DOTS(0); Q6_DOTS(1); Q6_DOTS(2); Q6_DOTS(3);
+        for (int r = 0; r < ROWS; r++)
+            for (int h = 0; h < 4; h++)
+                dots[r][h] = vpaddq_s32(vpaddlq_s16(sums[r][h][0]), vpaddlq_s16(sums[r][h][1]));
+#endif
+        for (int h = 0; h < 2; h++) {
+            float32x4_t d[2], m[2];
+            neon_scales(group, b, h, d, m, FORMAT_Q6_K_X8);
+            for (int r = 0; r < ROWS; r++) {
+                const float dx = x->scale[(row + r) * blocks + b];
+                for (int v = 0; v < 2; v++) {
+                    const int32_t sum = 32 * x->half_sum[(row + r) * 2 * blocks + 2 * b + v];
+                    const int32x4_t whole = vsubq_s32(dots[r][2 * h + v], vdupq_n_s32(sum));
+                    acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(whole), vmulq_n_f32(d[v], dx));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int h = 0; h < 2; h++) vst1q_f32(out + r * n + 4 * h, acc[r][h]);
 }
 
 /* The AVX2 tiles' names, for x8_columns. */
 static inline __attribute__((always_inline)) void x8_tile(const struct quantized_x *x, int64_t row,
-                                                          const uint8_t *group, float *out, int64_t n, const int ROWS) {
-    neon_x8_tile(x, row, group, out, n, FORMAT_Q4_1_X8, ROWS);
+                                                          const uint8_t *group, float *out, int64_t n, const int FORMAT,
+                                                          const int ROWS) {
+    neon_x8_tile(x, row, group, out, n, FORMAT, ROWS);
 }
 
 static inline __attribute__((always_inline)) void q8_x8_tile(const struct quantized_x *x, int64_t row,
@@ -1301,16 +1891,25 @@ static inline __attribute__((always_inline)) void q8_x8_tile(const struct quanti
     neon_x8_tile(x, row, group, out, n, FORMAT_Q8_0_X8, ROWS);
 }
 
-/* Float32 activations (exact): position p's weights of columns 4h..4h+3, as x8_weights dequantizes them on AVX2
- * (d * q + m in one FMA; Q8_0: d * q). */
-static inline __attribute__((always_inline)) float32x4_t position_weights(const uint8_t *block, int position, int h,
-                                                                          float32x4_t d, float32x4_t m,
+/* Float32 activations (exact): position p's weights of columns 4h..4h+3 from a block's weights at `quants`
+ * (x8_quants), as x8_weights dequantizes them on AVX2 (d * q + m in one FMA; Q8_0: d * q). */
+static inline __attribute__((always_inline)) float32x4_t position_weights(const uint8_t *quants, int position, int h,
+                                                                          const float32x4_t *ds, const float32x4_t *ms,
                                                                           const int FORMAT) {
-    if (FORMAT == FORMAT_Q4_1_X8) {
-        const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(block + 32 + 32 * (position % 16 / 4) + 16 * h));
+    const float32x4_t d = ds[FORMAT == FORMAT_Q6_K_X8 ? position / 16 : 0];
+    const float32x4_t m = ms[FORMAT == FORMAT_Q6_K_X8 ? position / 16 : 0];
+    if (FORMAT == FORMAT_Q6_K_X8) { /* the nibble, then the high bits from the plane of its 16 values */
+        const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(quants + 32 * (position % 16 / 4) + 16 * h));
+        const uint32x4_t plane = vreinterpretq_u32_u8(vld1q_u8(quants + 128 + 32 * (position / 16) + 16 * h));
+        const uint32x4_t low = (packed >> (8 * (position % 4) + 4 * (position / 16))) & 0x0F;
+        const uint32x4_t high = (plane >> (8 * (position % 4) + 2 * (position % 16 / 4))) & 3;
+        return vfmaq_f32(m, d, vcvtq_f32_u32(low | (high << 4)));
+    }
+    if (FORMAT != FORMAT_Q8_0_X8) {
+        const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(quants + 32 * (position % 16 / 4) + 16 * h));
         return vfmaq_f32(m, d, vcvtq_f32_u32((packed >> (8 * (position % 4) + 4 * (position / 16))) & 0x0F));
     }
-    const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(block + 16 + 32 * (position / 4) + 16 * h));
+    const uint32x4_t packed = vreinterpretq_u32_u8(vld1q_u8(quants + 32 * (position / 4) + 16 * h));
     /* the byte to the top unsigned, then down with its sign */
     return vmulq_f32(d, vcvtq_f32_s32(vreinterpretq_s32_u32(packed << (24 - 8 * (position % 4))) >> 24));
 }
@@ -1320,7 +1919,7 @@ static inline __attribute__((always_inline)) float32x4_t position_weights(const 
 #define BLOCK_LANE(LANE)                                                                                            \
     do {                                                                                                            \
         for (int h = 0; h < 2; h++) {                                                                               \
-            const float32x4_t w = position_weights(g, 4 * quad + (LANE), h, d[h], m[h], FORMAT);                    \
+            const float32x4_t w = position_weights(q, 4 * quad + (LANE), h, d[h], m[h], FORMAT);                    \
             for (int r = 0; r < ROWS; r++) acc[r][h] = vfmaq_laneq_f32(acc[r][h], w, xs[r], LANE);                 \
         }                                                                                                           \
     } while (0)
@@ -1331,16 +1930,12 @@ static inline __attribute__((always_inline)) float32x4_t position_weights(const 
 static inline __attribute__((always_inline)) void x8_exact_tile(const struct quantized_x *x, int64_t row,
                                                                 const uint8_t *group, float *out, int64_t n,
                                                                 const int FORMAT, const int ROWS) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
     float32x4_t acc[4][2];
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = vdupq_n_f32(0);
     for (int64_t b = 0; b < x->k / BLOCK; b++) {
-        const uint8_t *g = group + b * bytes;
-        float32x4_t d[2], m[2];
-        for (int h = 0; h < 2; h++) {
-            d[h] = half_scales(g, h);
-            m[h] = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
-        }
+        const uint8_t *q = x8_quants(group, b, FORMAT);
+        float32x4_t d[2][2], m[2][2]; /* [columns 4h..][Q6_K_X8: 16 values] */
+        for (int h = 0; h < 2; h++) neon_scales(group, b, h, d[h], m[h], FORMAT);
         UNROLLED /* constant shifts */
         for (int quad = 0; quad < BLOCK / 4; quad++) { /* positions 4 * quad .. 4 * quad + 3 */
             float32x4_t xs[4];
@@ -1363,17 +1958,16 @@ static inline __attribute__((always_inline)) void x8_exact_tile(const struct qua
 /* Blocks [from, to) of one group's 8 columns into panel [to - from][BLOCK][8], as position_weights gives them. */
 static inline __attribute__((always_inline)) void dequantize_group(const uint8_t *group, int64_t from, int64_t to,
                                                                    float *panel, const int FORMAT) {
-    const int64_t bytes = 8 * block_bytes(FORMAT);
     for (int64_t b = from; b < to; b++) {
-        const uint8_t *g = group + b * bytes;
+        const uint8_t *q = x8_quants(group, b, FORMAT);
         UNROLLED
         for (int h = 0; h < 2; h++) {
-            const float32x4_t d = half_scales(g, h);
-            const float32x4_t m = FORMAT == FORMAT_Q4_1_X8 ? half_scales(g + 16, h) : vdupq_n_f32(0);
+            float32x4_t d[2], m[2];
+            neon_scales(group, b, h, d, m, FORMAT);
             UNROLLED
             for (int position = 0; position < BLOCK; position++)
                 vst1q_f32(panel + ((b - from) * BLOCK + position) * 8 + 4 * h,
-                          position_weights(g, position, h, d, m, FORMAT));
+                          position_weights(q, position, h, d, m, FORMAT));
         }
     }
 }
@@ -1416,14 +2010,14 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
     for (int64_t c = first; c < last; c += 8) {
         const uint8_t *group = weight + c / 8 * group_bytes;
         if (x->m < NEON_PANEL_ROWS) {
-            if (format == FORMAT_Q4_1_X8) X8_TILE(x8_exact_tile, x->m, x, 0, group, out + c, n, FORMAT_Q4_1_X8);
-            else X8_TILE(x8_exact_tile, x->m, x, 0, group, out + c, n, FORMAT_Q8_0_X8);
+#define EXACT_TILE(F) X8_TILE(x8_exact_tile, x->m, x, 0, group, out + c, n, F)
+            BY_FORMAT(format, EXACT_TILE);
             continue;
         }
         for (int64_t from = 0; from < blocks; from += NEON_SLICE_BLOCKS) {
             const int64_t to = from + NEON_SLICE_BLOCKS < blocks ? from + NEON_SLICE_BLOCKS : blocks;
-            if (format == FORMAT_Q4_1_X8) dequantize_group(group, from, to, panel, FORMAT_Q4_1_X8);
-            else dequantize_group(group, from, to, panel, FORMAT_Q8_0_X8);
+#define GROUP_PANEL(F) dequantize_group(group, from, to, panel, F)
+            BY_FORMAT(format, GROUP_PANEL);
             for (int64_t r = 0; r < x->m; r += NEON_PANEL_TILE)
                 X8_TILE8(panel_tile, x->m - r, x, r, panel, from, to, out + r * n + c, n);
         }
@@ -1442,19 +2036,28 @@ static void x8_exact_columns(const struct quantized_x *x, const uint8_t *weight,
  * 1.03-1.08x); a unit's groups stay in L2. */
 static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                        int64_t first, int64_t last) {
-    const int64_t group_bytes = x->k / BLOCK * 8 * block_bytes(format);
+    const int64_t group_bytes = 8 * row_bytes_of(format, x->k);
     if (x->exact) {
         x8_exact_columns(x, weight, format, group_bytes, out, n, first, last);
         return;
     }
 #if LOCKSTEP_AVX512
-    if (format == FORMAT_Q4_1_X8 && x->m >= X8_WIDE_ROWS) {
+    if (format != FORMAT_Q8_0_X8 && x->m >= X8_WIDE_ROWS) {
+        const int is_q6_k = format == FORMAT_Q6_K_X8;
         for (int64_t r = 0; r < x->m; r += X8_ROWS16) {
             int64_t rows = x->m - r < X8_ROWS16 ? x->m - r : X8_ROWS16, c = first;
-            for (; last - c >= 16; c += 16) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes,
-                                                     out + r * n + c, n);
-            for (int64_t row = r; c < last && row < r + rows; row += 4) /* the last 8 columns */
-                X8_TILE(x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n);
+#define WIDE(F) X8_TILE8(x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes, out + r * n + c, n, F)
+            for (; last - c >= 16; c += 16) {
+                if (is_q6_k)
+                    X8_TILE8(q6_x8_tile16, rows, x, r, weight + c / 8 * group_bytes, group_bytes, out + r * n + c, n);
+                else BY_4_BIT_FORMAT(format, WIDE);
+            }
+#define LAST(F) X8_TILE(x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n, F)
+            for (int64_t row = r; c < last && row < r + rows; row += 4) { /* the last 8 columns */
+                if (is_q6_k)
+                    X8_TILE(q6_x8_tile, r + rows - row, x, row, weight + c / 8 * group_bytes, out + row * n + c, n);
+                else BY_4_BIT_FORMAT(format, LAST);
+            }
         }
         return;
     }
@@ -1470,8 +2073,10 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
                 continue;
             }
 #endif
-            if (format == FORMAT_Q4_1_X8) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n);
-            else X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
+#define NARROW(F) X8_TILE(x8_tile, rows, x, r, group, out + r * n + c, n, F)
+            if (format == FORMAT_Q8_0_X8) X8_TILE(q8_x8_tile, rows, x, r, group, out + r * n + c, n);
+            else if (format == FORMAT_Q6_K_X8) X8_TILE(q6_x8_tile, rows, x, r, group, out + r * n + c, n);
+            else BY_4_BIT_FORMAT(format, NARROW);
         }
     }
 }
@@ -1482,7 +2087,7 @@ static void x8_columns(const struct quantized_x *x, const uint8_t *weight, int f
 static void linear_columns(const struct quantized_x *x, const uint8_t *weight, int format, float *out, int64_t n,
                            int64_t first, int64_t last) {
 #if LOCKSTEP_AVX2 || LOCKSTEP_NEON
-    if (format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8) { /* where the build reads them (see x8_runs) */
+    if (is_x8(format)) { /* where the build reads them (see x8_runs) */
         x8_columns(x, weight, format, out, n, first, last);
         return;
     }
@@ -1648,10 +2253,10 @@ static void linear_unit(const void *context, int64_t unit) {
     linear_columns(job->x, job->weight, job->format, job->out, job->n, first, last);
 }
 
-/* Scratch for x quantized: M x K bytes and two floats per block and row. */
+/* Scratch for x quantized: M x K bytes, two floats per block and row, an int32 per 16 values and row. */
 static int64_t quantized_x_bytes(int64_t m, int64_t k) {
     int64_t m8 = (m + 7) / 8 * 8;
-    return m * k + m * (k / BLOCK) * 4 + (k / BLOCK) * m8 * 4 + 32 * 4 + 64;
+    return m * k + m * (k / BLOCK) * 4 + (k / BLOCK) * m8 * 4 + 32 * 4 + 64 + m * (k / 16) * 4;
 }
 
 static struct quantized_x quantized_x_in(void *scratch, int64_t m, int64_t k) {
@@ -1659,7 +2264,8 @@ static struct quantized_x quantized_x_in(void *scratch, int64_t m, int64_t k) {
     x.m = m, x.m8 = (m + 7) / 8 * 8, x.k = k;
     x.scale = scratch;
     x.sum = x.scale + m * (k / BLOCK);
-    x.q = (int8_t *)(x.sum + (k / BLOCK) * x.m8 + 8); /* 8 floats of slack: a tile reads 8 rows' sums */
+    x.half_sum = (int32_t *)(x.sum + (k / BLOCK) * x.m8 + 8); /* 8 floats of slack: a tile reads 8 rows' sums */
+    x.q = (int8_t *)(x.half_sum + m * (k / 16));
     return x;
 }
 
@@ -1676,17 +2282,21 @@ static void matmul(int shared, const float *x, void *scratch, const uint8_t *wei
     run_units(shared, linear_unit, &job, (n + columns - 1) / columns);
 }
 
-static int x8_runs(int format, int64_t n) {
-    const int interleaved = format == FORMAT_Q4_1_X8 || format == FORMAT_Q8_0_X8;
-    return !interleaved || (lockstep_q4_interleaves() && n % 8 == 0);
+/* Whether the matmuls read `format` here: plain Q4_1 and Q8_0 everywhere, the interleaved formats where the build
+ * reads them (N % 8 == 0), plain Q4_0 and Q4_K nowhere (their interleaved copies are read). */
+static int x8_runs(int format, int64_t n, int64_t k) {
+    if (format == FORMAT_Q4_1 || format == FORMAT_Q8_0) return 1;
+    const int super_blocks = format == FORMAT_Q4_K_X8 || format == FORMAT_Q6_K_X8;
+    return is_x8(format) && lockstep_q4_interleaves() && n % 8 == 0 && (!super_blocks || k % SUPER_BLOCK == 0);
 }
 
 /* x: [M, K] float32; weight: [N] rows of K / 32 blocks of `format`; out: [M, N] float32. K % 32 == 0; `exact`:
  * x as it is (1) or rounded to 8 bits per 32 (0). Returns 0, -1 if scratch memory could not be had, or -2 for
- * an interleaved format where it cannot run (a build that reads none, N % 8). */
+ * a format it does not read (an interleaved one in a build that reads none, N % 8, Q4_K_X8's and Q6_K_X8's
+ * K % 256; plain Q4_0, Q4_K or Q6_K). */
 int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float *out, int64_t m, int64_t n,
                        int64_t k, int helpers, int exact) {
-    if (!x8_runs(format, n)) return -2;
+    if (!x8_runs(format, n, k)) return -2;
     void *scratch = malloc(quantized_x_bytes(m, k));
     if (!scratch) return -1;
     int shared = begin_shared(helpers);
@@ -1696,13 +2306,12 @@ int lockstep_q4_linear(const float *x, const uint8_t *weight, int format, float 
     return 0;
 }
 
-/* Rows of a weight, dequantized (the embedding lookup): out[i] = row ids[i] of `weight`. */
+/* Rows of a weight of any format, plain or interleaved, dequantized (the embedding lookup): out[i] = row ids[i]
+ * of `weight`. */
 void lockstep_q4_dequantize_rows(const uint8_t *weight, int format, const int64_t *ids, int64_t count, int64_t k,
                                  float *out) {
-    const int64_t row_bytes = k / BLOCK * block_bytes(format);
     for (int64_t i = 0; i < count; i++)
-        for (int64_t b = 0; b < k / BLOCK; b++)
-            dequantize_block(weight + ids[i] * row_bytes + b * block_bytes(format), format, out + i * k + b * BLOCK);
+        for (int64_t b = 0; b < k / BLOCK; b++) dequantize_row_block(weight, format, ids[i], b, k, out + i * k + b * BLOCK);
 }
 
 /* ---- K-quant blocks repacked as the kernels' (block_repack.py's numpy, in C: a 7 B file's 4 GB in seconds, not
@@ -1727,17 +2336,6 @@ static uint16_t float_to_half(float f) {
 }
 
 static inline void write_half(uint8_t *out, uint16_t h) { out[0] = (uint8_t)(h & 0xFF); out[1] = (uint8_t)(h >> 8); }
-
-/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and minimum. */
-static inline void k4_scale_min(int j, const uint8_t *q, int *scale, int *minimum) {
-    if (j < 4) {
-        *scale = q[j] & 63;
-        *minimum = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-        *minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
 
 /* Each 256-value Q4_K block (d, dmin, 12 bytes of scales, 128 of nibbles) as 8 Q4_1 blocks: d sc and -dmin m in
  * float16, value i of a sub-block in byte i's low nibble, value i + 16 in its high one. Returns 0, or -1 where a
@@ -2393,7 +2991,7 @@ static void add_output(float *hidden, float *projected, const float *output_norm
  * first eps, the attention's and the FFN's output norms (Gemma 3), with its first eps), then the final norm and the
  * lm_head; windows: per layer, 0 or a sliding window (Gemma 3's local layers, rotated by cos_local and sin_local);
  * NULL: no window anywhere; formats: 4 per layer, the formats of q/k/v, output, gate/up and down (Q4_1 or Q8_0, plain or
- * regrouped by 8 rows: a GGUF's block types mix, engine/backends/block_repack.py); eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
+ * regrouped by 8 rows, or Q4_0_X8, Q4_K_X8: a GGUF's block types mix, engine/backends/block_repack.py); eps: 2 per layer, then the final norm's; keys, values: per layer, per slot
  * s, that slot's cache [kv_heads, capacities[s], head_dim] (keys[layer * slots + s]; keys in blocks, key_offset),
  * float32 with exact, float16 without. hidden: [rows,
  * hidden] float32, updated in place; row r writes and attends in slot slots[r], at position positions[r] (it sees
@@ -2414,11 +3012,11 @@ int lockstep_q4_forward(const int64_t *dims, int64_t layers, const void *const *
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * head_dim, kv_bytes = exact ? 4 : 2;
     for (int64_t layer = 0; layer < layers; layer++) {
         const int64_t *f = formats + 4 * layer;
-        if (!x8_runs((int)f[0], qkv_width) || !x8_runs((int)f[1], width) || !x8_runs((int)f[2], 2 * intermediate) ||
-            !x8_runs((int)f[3], width))
+        if (!x8_runs((int)f[0], qkv_width, width) || !x8_runs((int)f[1], width, heads * head_dim) ||
+            !x8_runs((int)f[2], 2 * intermediate, width) || !x8_runs((int)f[3], width, intermediate))
             return -2;
     }
-    if (!x8_runs(lm_head_format, vocabulary)) return -2;
+    if (!x8_runs(lm_head_format, vocabulary, width)) return -2;
     const int64_t attended_width = heads * head_dim;
     const int64_t floats = rows * (width + qkv_width + attended_width + width + 3 * intermediate);
     const int64_t widest = width > intermediate ? width : intermediate;

@@ -212,13 +212,15 @@ def test_every_block_type_reaches_the_4_bit_kernels_with_its_values(family_files
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_a_file_of_every_type_runs_on_the_4_bit_kernels(family_files, family, make_engine, cache_dir):
-    """The file's blocks repacked (llama's q/k rows permuted back, q/k/v of two formats fused as Q8_0, llama's
-    untied token embedding, Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3's GeGLU, output norms, embedding
-    scale, local rotary and 8-position sliding windows): with float32 activations, the kernels' greedy tokens are
-    the float32 model's on the same weights."""
+    """The file's blocks repacked (llama's q/k rows permuted back, q/k/v of two formats fused as Q8_0, a lone Q6_K
+    weight as its own blocks where the kernels interleave, llama's untied token embedding, Qwen2's q/k/v biases,
+    Qwen3's q/k norms, Gemma 3's GeGLU, output norms, embedding scale, local rotary and 8-position sliding windows):
+    with float32 activations, the kernels' greedy tokens are the float32 model's on the same weights."""
     files = family_files[family]
     engine = make_engine(files["gguf"], cache_dir=cache_dir, dtype="auto", weights="exact")
-    assert engine.info.weights == "q4_1+q8_0" and "4-bit kernels" in engine.info.compute
+    # a lone Q6_K projection kept as the file's blocks where the kernels interleave (Q6_K_X8), else Q8_0
+    formats = "q4_1+q6_k+q8_0" if "interleaved by 8 rows" in engine.info.compute else "q4_1+q8_0"
+    assert engine.info.weights == formats and "4-bit kernels" in engine.info.compute
     served = [engine.submit(prompt_token_ids=list(prompt), sampling=SamplingParams(max_tokens=8, temperature=0,
                                                                                    ignore_eos=True)).result(120)
               .output_token_ids for prompt in PROMPTS]
