@@ -17,9 +17,9 @@
  * Q6_K as Q6_K_X8 (the file's bytes, 6.5625 bits a weight instead of Q8_0's 8.5), by its own 8-bit tiles (two
  * integer dot products a block, one per 16 values) and the same float32 ones.
  * On 8-bit activations a block's integer dot products for 8 columns are then vertical maddubs (NEON: sdot, or
- * 16-bit multiply-adds) against broadcast activations instead of 8 horizontal sums (a one-row decode step's call
- * 12.7 -> 8.5 ms on a 2-core AVX2 host); on float32 ones (exact) 8 columns' weights are one vector of floats for a
- * float GEMM's broadcast FMAs (a 25-row step's call 191 -> 122 ms there).
+ * 16-bit multiply-adds) against broadcast activations instead of 8 horizontal sums; on float32 ones (exact) 8
+ * columns' weights are one vector of floats for a float GEMM's broadcast FMAs (what each layout gained:
+ * docs/benchmarks.md, "Measurements behind the code's constants").
  *
  * Every row of x is computed the same way whatever else the call holds: each output is one chain of FMAs over K in
  * the same order, then one fixed reduction, whatever M is, whichever tile or thread computes it. So a row's result
@@ -1424,8 +1424,7 @@ static void prefetch_slice(const uint8_t *group, int64_t group_bytes, int64_t fr
 /* Columns [c, c + 8 * groups) over every row, K a slice of SLICE_BLOCKS at a time: the slice dequantized into an
  * L1 panel, then every row tile goes on from the sums the last slice left in `out`, so each output is still one
  * chain of FMAs over K in order. The next slice's blocks (or the next columns' first) are fetched while the tiles
- * compute. A step's exact matmuls on Zen 5 at 16 rows, whole-K panels 19.1 ms, slices 17.4, slices fetched ahead
- * 14.7; its AVX2 build (under the capability mask) at 4 / 16 rows 18.0 / 31.3 ms before, 11.9 / 25.4 after. */
+ * compute (faster than whole-K panels on AVX-512 and AVX2 alike: docs/benchmarks.md). */
 static void exact_panel_columns(const struct quantized_x *x, const uint8_t *weight, int format, int64_t group_bytes,
                                 float *panel, float *out, int64_t n, int64_t c, int groups, int64_t last) {
     const int64_t blocks = x->k / BLOCK;
