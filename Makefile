@@ -36,8 +36,8 @@ AVX2_MASK := avx512f,avx512bw,avx512vl,avx512_bf16,avx512_vnni,avx_vnni,amx_bf16
 test-avx2-path: setup model
 	@if grep -qwE 'avx512f|avx_vnni' /proc/cpuinfo 2>/dev/null; then \
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/backends/test_q4_kernels.py tests/backends/test_batch_invariance.py \
-			tests/backends/test_fast_forward.py -k "not bfloat16" && \
+		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests/backends/test_q4_kernels.py tests/backends/test_k_quant_kernels.py \
+			tests/backends/test_batch_invariance.py tests/backends/test_fast_forward.py -k "not bfloat16" && \
 		LOCKSTEP_CPU_FLAGS_MASK=$(AVX2_MASK) ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 		$(PY) -m pytest -q tests/backends/test_gguf_models.py -k "4_bit"; \
 	else echo "test-avx2-path: this CPU has no AVX-512 or AVX-VNNI, so the suite above already ran the AVX2 path"; fi
