@@ -57,7 +57,9 @@ test-arm64-path: setup model
 	else tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/backends/test_q4_kernels.py \
 			-k "not (float32 and ($(ARM64_SLOW_MODEL_TESTS)))" && \
 		ARM64_CPU=cortex-a72 tests/arm64/run-emulated -n $(TEST_JOBS) --dist load tests/backends/test_q4_kernels.py \
-			-k "$(ARMV8_0_TESTS)"; fi
+			-k "$(ARMV8_0_TESTS)" && \
+		for cpu in neoverse-n1 cortex-a72; do ARM64_CPU=$$cpu tests/arm64/run-emulated -n $(TEST_JOBS) --dist load \
+			tests/backends/test_k_quant_kernels.py -k "not file" || exit 1; done; fi
 
 # The GPU check (bench/gpu_check.py): `make gpu-bundle` here (where pip can download) puts the wheels an air-gapped
 # CUDA host lacks and the embedded model's shape in .cache/gpu-bundle (about 40 MiB: it travels with the tree);
