@@ -48,7 +48,7 @@ def kernel_blocks(type_name: str, data: np.ndarray, out_features: int, native=No
         return FORMAT_Q8_0, _q5_0_as_q8_0(data)
     if type_name not in REPACKED:
         raise ValueError(f"no repack of {type_name} blocks for the 4-bit kernels")
-    return FORMAT_Q8_0, as_q8_0(_dequantize(data, type_name))
+    return FORMAT_Q8_0, as_q8_0(dequantized(data, type_name))
 
 
 def as_q8_0(values: np.ndarray) -> np.ndarray:
@@ -63,7 +63,7 @@ def q8_0_of(format_: int, blocks: np.ndarray, native=None) -> np.ndarray:
     loaded kernels, whose C writes the same bytes."""
     if format_ == FORMAT_Q8_0:
         return blocks
-    return as_q8_0(_dequantize(blocks, "Q4_1")) if native is None else native.q4_1_as_q8_0(blocks)
+    return as_q8_0(dequantized(blocks, "Q4_1")) if native is None else native.q4_1_as_q8_0(blocks)
 
 
 def fused_parts(parts: list[tuple[int, np.ndarray]], native=None) -> tuple[int, list[np.ndarray]]:
@@ -80,7 +80,8 @@ def fused_parts(parts: list[tuple[int, np.ndarray]], native=None) -> tuple[int, 
     return FORMAT_Q8_0, [q8_0_of(format_, data, native) for format_, data in parts]
 
 
-def _dequantize(data: np.ndarray, type_name: str) -> np.ndarray:
+def dequantized(data: np.ndarray, type_name: str) -> np.ndarray:
+    """A type's blocks as float32 values, as gguf-py dequantizes them."""
     from gguf import GGMLQuantizationType, quants
 
     return np.asarray(quants.dequantize(data, GGMLQuantizationType[type_name]), dtype=np.float32)
@@ -100,7 +101,7 @@ def _q4_0_as_q4_1(data: np.ndarray) -> np.ndarray:
 def _q5_0_as_q8_0(data: np.ndarray) -> np.ndarray:
     blocks = data.reshape(data.shape[0], -1, 22)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    values = _dequantize(data, "Q5_0").reshape(blocks.shape[0], blocks.shape[1], BLOCK)
+    values = dequantized(data, "Q5_0").reshape(blocks.shape[0], blocks.shape[1], BLOCK)
     with np.errstate(divide="ignore", invalid="ignore"):
         steps = np.where(d == 0, 0, np.rint(values / d))  # d (q - 16) / d: the integer exactly
     out = np.empty(blocks.shape[:2] + (34,), dtype=np.uint8)

@@ -24,7 +24,7 @@ from ..gguf_file import GGUFFile, read_gguf
 from ..hardware import cpu_flags
 from ..memory import release_freed_memory
 from .block_cache import BlockCache
-from .block_repack import REPACKED, fused_parts, kernel_blocks
+from .block_repack import REPACKED, dequantized, fused_parts, kernel_blocks
 from .c_build import built_library, find_compiler
 
 logger = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ class QuantizedWeight:
             raise IndexError("token id outside the vocabulary")
         raw = self.blocks.numpy()
         if self.format in (FORMAT_Q4_0, FORMAT_Q4_K, FORMAT_Q6_K):  # a file's own blocks: gguf-py's numbers
-            return torch.from_numpy(_gguf_dequantized(raw[ids], format_name(self.format).upper())
+            return torch.from_numpy(dequantized(raw[ids], format_name(self.format).upper())
                                     .reshape(len(ids), self.in_features))
         values, size = block_shape(self.format)
         if self.format in PLAIN:  # each group of 8 rows holds block b of its rows together: gather row j's bytes
@@ -738,12 +738,6 @@ def _dequantized_blocks(raw: np.ndarray, format_: int) -> np.ndarray:
     return half(0) * raw[..., 2:].copy().view(np.int8).astype(np.float32)
 
 
-def _gguf_dequantized(data: np.ndarray, type_name: str) -> np.ndarray:
-    from gguf import GGMLQuantizationType, quants
-
-    return np.asarray(quants.dequantize(data, GGMLQuantizationType[type_name]), dtype=np.float32)
-
-
 class FileRows:
     """An untied token embedding looked up in the mapped file: the rows asked for, dequantized (the file's own
     numbers, gguf-py's), so the table is never held in float32 (2.1 GB for a Llama 3 8 B)."""
@@ -768,10 +762,8 @@ class FileRows:
 
 
 def _dequantized_rows(gguf: GGUFFile, name: str) -> np.ndarray:
-    from gguf import GGMLQuantizationType, quants
-
     tensor = gguf.tensors[name]
-    values = quants.dequantize(gguf.tensor_data(name), GGMLQuantizationType[tensor.type_name])
+    values = dequantized(gguf.tensor_data(name), tensor.type_name)
     # A copy even of F32 values, which come as a read-only view of the mapped file; GGML's order: innermost first.
     return np.array(values, dtype=np.float32, order="C").reshape(tensor.shape[::-1])
 
